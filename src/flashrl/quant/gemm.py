@@ -1,0 +1,162 @@
+"""Scaled matrix multiplication for each scheme: ``Y = X W^T`` with quantized X and W.
+
+| scheme        | op                                   | epilogue                                      |
+|---------------|--------------------------------------|-----------------------------------------------|
+| `int8`        | `torch._int_mm` (exact int32 acc.)   | fp32 ``acc * s_x * s_w^T (+ bias)``, then cast |
+| `fp8`         | `torch._scaled_mm`, tensorwise       | inside the op; bias added after in out dtype  |
+| `fp8_channel` | `torch._scaled_mm`, rowwise          | inside the op; bias added after in out dtype  |
+| `fp8_block`   | reference path: dequantize per 128x128 block / 1x128 group, fp32 matmul |  |
+
+`torch._int_mm` and `torch._scaled_mm` (tensorwise and rowwise) run on the CPU build of torch 2.13,
+so the fast paths are what the CPU tests exercise. CUDA shape rules (numerics.md section 5):
+`_int_mm` needs M > 16 and K, N multiples of 8; we pad M with zero rows and slice the result back.
+`_scaled_mm` needs K and N multiples of 16, which `check_gemm_shape` enforces at layer creation.
+The blockwise CUDA kernels are not wired in yet: on every device `fp8_block` runs the reference path
+(correct, quantized numerics, but no speed-up); this is logged once on CUDA, never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from flashrl.quant.primitives import (
+    dequantize_per_block_shards,
+    dequantize_per_group,
+    quantize_activation,
+)
+from flashrl.quant.schemes import QuantScheme
+
+logger = logging.getLogger(__name__)
+
+INT_MM_MIN_ROWS_CUDA = 17
+_warned_block_reference = False
+
+
+def check_gemm_shape(scheme: QuantScheme, in_features: int, out_features: int, device: torch.device) -> None:
+    """Raise when a layer shape cannot run on `device`'s kernels for `scheme` (CUDA constraints)."""
+    if device.type != "cuda" or not scheme.is_quantized:
+        return
+    multiple = 8 if scheme.code_dtype == torch.int8 else 16
+    if in_features % multiple or out_features % multiple:
+        raise ValueError(
+            f"scheme {scheme.name!r} on CUDA needs in_features and out_features divisible by {multiple}, "
+            f"got [{out_features}, {in_features}]; keep this layer in bf16 with skip=..."
+        )
+
+
+def pad_rows(x: torch.Tensor, min_rows: int) -> torch.Tensor:
+    """Append zero rows so that `x` has at least `min_rows` rows (no copy when it already has)."""
+    if x.shape[0] >= min_rows:
+        return x
+    return torch.cat([x, x.new_zeros(min_rows - x.shape[0], x.shape[1])])
+
+
+def int8_mm(xq: torch.Tensor, wq: torch.Tensor, min_rows: int | None = None) -> torch.Tensor:
+    """Exact int32 ``xq @ wq^T`` via `torch._int_mm`; `wq` is [N, K] as nn.Linear stores it.
+
+    `min_rows` pads M with zero rows (default: 17 on CUDA, where `_int_mm` needs M > 16; none on CPU).
+    """
+    m = xq.shape[0]
+    if min_rows is None:
+        min_rows = INT_MM_MIN_ROWS_CUDA if xq.is_cuda else 0
+    acc = torch._int_mm(pad_rows(xq, min_rows), wq.t())
+    return acc[:m]
+
+
+def int8_linear(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    scheme: QuantScheme,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """W8A8 int8: per-token dynamic int8 activations, per-channel weights [N,1], exact int32 accumulation."""
+    xq, x_scale = quantize_activation(x, scheme)
+    acc = int8_mm(xq, wq)
+    y = acc.to(torch.float32).mul_(x_scale).mul_(w_scale.reshape(1, -1))
+    if bias is not None:
+        y.add_(bias.to(torch.float32))
+    return y.to(out_dtype or x.dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    scheme: QuantScheme,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """FP8 e4m3 with tensorwise (one scale each) or rowwise (``[M,1]`` x ``[1,N]``) `torch._scaled_mm`.
+
+    A per-tensor activation scale meets a multi-scale weight (a fused layer with one scale per
+    checkpoint tensor) as a broadcast rowwise call.
+    """
+    out_dtype = out_dtype or x.dtype
+    xq, x_scale = quantize_activation(x, scheme)
+    if w_scale.numel() == 1 and x_scale.numel() == 1:
+        y = torch._scaled_mm(xq, wq.t(), x_scale.reshape(()), w_scale.reshape(()), out_dtype=out_dtype)
+    else:
+        scale_a = x_scale.reshape(-1, 1).expand(xq.shape[0], 1).contiguous()
+        scale_b = w_scale.reshape(1, -1).expand(1, wq.shape[0]).contiguous()
+        y = torch._scaled_mm(xq, wq.t(), scale_a, scale_b, out_dtype=out_dtype)
+    if bias is not None:
+        y = y + bias.to(out_dtype)
+    return y
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    scheme: QuantScheme,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    shard_sizes: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """Reference blockwise FP8: 1x128 activation groups and 128x128 weight blocks dequantized to fp32.
+
+    Mathematically ``Y[m,n] = sum_g s_x[m,g] s_w[n//128,g] (Xq_g . Wq_g)``; the fp32 matmul sums the
+    same products in a different order. `shard_sizes` describes a fused weight whose row shards each
+    have their own block grid (stacked along the scale's first dim).
+    """
+    global _warned_block_reference
+    if x.is_cuda and not _warned_block_reference:
+        logger.warning("fp8_block runs the reference (dequantize + matmul) path on CUDA: correct but not fast")
+        _warned_block_reference = True
+    xq, x_scale = quantize_activation(x, scheme)
+    x_deq = dequantize_per_group(xq, x_scale, scheme.group_size)
+    w_deq = dequantize_per_block_shards(wq, w_scale, scheme.block_size, shard_sizes)
+    y = x_deq @ w_deq.t()
+    if bias is not None:
+        y.add_(bias.to(torch.float32))
+    return y.to(out_dtype or x.dtype)
+
+
+def scaled_linear(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    scheme: QuantScheme,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    shard_sizes: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for a quantized weight; `x` may have any leading dims.
+
+    `w_scale` is laid out as `quantize_weight` returns it, except for a per-tensor scheme over a
+    fused weight, where it is one scale per output row (see `QuantLinear`). `shard_sizes` matters
+    only for blocks (one block grid per shard).
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if scheme.code_dtype == torch.int8:
+        y = int8_linear(x2, wq, w_scale, scheme, bias, out_dtype)
+    elif scheme.weight_granularity == "block":
+        y = fp8_block_linear(x2, wq, w_scale, scheme, bias, out_dtype, shard_sizes)
+    else:
+        y = fp8_linear(x2, wq, w_scale, scheme, bias, out_dtype)
+    return y.reshape(*lead, wq.shape[0])

@@ -1,0 +1,267 @@
+"""`QuantLinear`: a linear layer with 8-bit weights that is re-quantized in place after every RL step.
+
+Contract (numerics.md section 6): `requantize_(w)` computes fresh scales from `w` alone and writes
+codes and scales into the *existing* buffers, so `data_ptr()` never changes and captured CUDA graphs
+or compiled code stay valid.
+
+Fused layers (q/k/v -> qkv, gate/up -> gate_up) are built from *shards*, one per checkpoint tensor.
+Each shard is quantized on its own: per-channel schemes are row-local anyway; the per-tensor scheme
+keeps one scale per shard (like a pre-quantized FP8 checkpoint, unlike vLLM's online per-tensor,
+which takes one amax over the fused weight); the block scheme gives each shard its own block grid.
+So a shard that arrives alone (q without k and v) is re-quantized exactly as a fresh load of the
+whole layer would quantize it, and the other shards keep their codes. For real models, whose shard
+sizes are multiples of 128, the per-shard block grid is the ordinary 128x128 grid.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from flashrl.quant.gemm import check_gemm_shape, scaled_linear
+from flashrl.quant.primitives import (
+    check_float_input,
+    dequantize_per_block_shards,
+    dequantize_per_row,
+    quantize_weight,
+)
+from flashrl.quant.schemes import QuantScheme, get_scheme
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T + b`` with W stored as int8 / float8_e4m3fn codes plus fp32 scales.
+
+    Buffers: ``weight`` [N, K] codes; ``weight_scale`` fp32 ([S] per-tensor with S shards, [N, 1]
+    per-channel, [sum_i ceil(n_i/128), ceil(K/128)] per-block); ``bias`` [N] in the layer dtype.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scheme: str | QuantScheme,
+        bias: bool = False,
+        shard_sizes: Iterable[int] | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        scheme = get_scheme(scheme)
+        if not scheme.is_quantized:
+            raise ValueError(f"scheme {scheme.name!r} does not quantize; keep the layer as nn.Linear")
+        shards = tuple(int(s) for s in (shard_sizes or (out_features,)))
+        if sum(shards) != out_features or min(shards) <= 0:
+            raise ValueError(f"shard_sizes {shards} must be positive and sum to out_features={out_features}")
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        check_gemm_shape(scheme, in_features, out_features, device)
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme, self.shard_sizes, self.dtype = scheme, shards, dtype
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=scheme.code_dtype, device=device))
+        self.register_buffer("weight_scale", torch.ones(self._scale_shape(), dtype=torch.float32, device=device))
+        # Per-tensor over several shards: the GEMM needs one scale per row, kept in its own buffer.
+        self.row_scale: torch.Tensor | None
+        if scheme.weight_granularity == "tensor" and len(shards) > 1:
+            self.register_buffer("row_scale", torch.ones(out_features, dtype=torch.float32, device=device), persistent=False)
+        else:
+            self.row_scale = None
+        self.bias: torch.Tensor | None
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.bias = None
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, scheme: str | QuantScheme, shard_sizes: Iterable[int] | None = None
+    ) -> "QuantLinear":
+        """Quantize an `nn.Linear` (its weight and bias are read, not modified)."""
+        weight = linear.weight.detach()
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            scheme,
+            bias=linear.bias is not None,
+            shard_sizes=shard_sizes,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+        layer.requantize_(weight)
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    def _scale_shape(self) -> tuple[int, ...]:
+        g = self.scheme.weight_granularity
+        if g == "tensor":
+            return (len(self.shard_sizes),)
+        if g == "channel":
+            return (self.out_features, 1)
+        bn, bk = self.scheme.block_size
+        return (sum(math.ceil(n / bn) for n in self.shard_sizes), math.ceil(self.in_features / bk))
+
+    # ---------------------------------------------------------------- shards
+
+    def shard_rows(self, shard: int) -> tuple[int, int]:
+        """Row range [start, end) of shard `shard` in the fused weight."""
+        if not 0 <= shard < len(self.shard_sizes):
+            raise IndexError(f"shard {shard} out of range for a layer with {len(self.shard_sizes)} shard(s)")
+        start = sum(self.shard_sizes[:shard])
+        return start, start + self.shard_sizes[shard]
+
+    def _shard_scale(self, shard: int) -> torch.Tensor:
+        g = self.scheme.weight_granularity
+        if g == "tensor":
+            return self.weight_scale[shard]
+        start, end = self.shard_rows(shard)
+        if g == "channel":
+            return self.weight_scale[start:end]
+        bn = self.scheme.block_size[0]
+        first = sum(math.ceil(n / bn) for n in self.shard_sizes[:shard])
+        return self.weight_scale[first : first + math.ceil(self.shard_sizes[shard] / bn)]
+
+    # ---------------------------------------------------------------- requantization
+
+    @torch.no_grad()
+    def requantize_(self, weight: torch.Tensor, shard: int | None = None, count_changed: bool = False) -> int:
+        """Re-quantize in place from a new high-precision weight (the full [N, K], or one shard's rows).
+
+        Scales are computed from `weight` only and overwrite the old ones. Returns the number of
+        codes that changed when `count_changed` is set (a per-sync diagnostic), else 0.
+        """
+        check_float_input(weight, "weight")
+        shards = range(len(self.shard_sizes)) if shard is None else [shard]
+        rows = (0, self.out_features) if shard is None else self.shard_rows(shard)
+        expected = (rows[1] - rows[0], self.in_features)
+        if tuple(weight.shape) != expected:
+            what = "weight" if shard is None else f"shard {shard} weight"
+            raise ValueError(f"{what} has shape {tuple(weight.shape)}; expected {expected}")
+        weight = weight.to(self.weight.device)
+        old = self.weight[rows[0] : rows[1]].clone() if count_changed else None
+        if self.scheme.weight_granularity == "channel" and shard is None:
+            quantize_weight(weight, self.scheme, out=self.weight, scale_out=self.weight_scale)
+        else:
+            for i in shards:
+                start, end = self.shard_rows(i)
+                local = weight[start - rows[0] : end - rows[0]]
+                quantize_weight(local, self.scheme, out=self.weight[start:end], scale_out=self._shard_scale(i),
+                                name=f"weight shard {i}" if len(self.shard_sizes) > 1 else "weight")
+                if self.row_scale is not None:
+                    self.row_scale[start:end].copy_(self.weight_scale[i].expand(end - start))
+        if old is None:
+            return 0
+        new = self.weight[rows[0] : rows[1]]
+        return int((old.view(torch.uint8) != new.view(torch.uint8)).sum())
+
+    @torch.no_grad()
+    def set_bias_(self, bias: torch.Tensor, shard: int | None = None) -> None:
+        """Copy a new bias (full, or one shard's slice) into the bias buffer in place."""
+        if self.bias is None:
+            raise ValueError("this layer was built without a bias")
+        start, end = (0, self.out_features) if shard is None else self.shard_rows(shard)
+        if tuple(bias.shape) != (end - start,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected {(end - start,)}")
+        self.bias[start:end].copy_(bias)
+
+    # ---------------------------------------------------------------- compute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.row_scale if self.row_scale is not None else self.weight_scale
+        return scaled_linear(x, self.weight, scale, self.scheme, self.bias, x.dtype, self.shard_sizes)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the layer effectively multiplies by: codes times scales."""
+        if self.scheme.weight_granularity == "block":
+            return dequantize_per_block_shards(self.weight, self.weight_scale, self.scheme.block_size, self.shard_sizes, dtype)
+        scale = self.row_scale[:, None] if self.row_scale is not None else self.weight_scale
+        return dequantize_per_row(self.weight, scale, dtype)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        shards = f", shards={self.shard_sizes}" if len(self.shard_sizes) > 1 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}{shards}, bias={self.bias is not None}"
+
+
+# -------------------------------------------------------------------- model-level API
+
+DEFAULT_SKIP: tuple[str, ...] = ("lm_head", "*.mlp.gate")
+"""Kept in high precision by default: the LM head (logprob accuracy) and MoE routers. Embeddings and
+norms are not `nn.Linear` and are never touched."""
+
+
+def matches_any(name: str, patterns: Iterable[str]) -> bool:
+    """Whether module name `name` matches a skip pattern: a glob (``"lm_head"``, ``"*.down_proj"``,
+    also matched against any dotted suffix) or a regex prefixed with ``"re:"``."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.search(pattern[3:], name):
+                return True
+        elif fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern):
+            return True
+    return False
+
+
+@dataclass
+class QuantReport:
+    """What `quantize_` did: which layers, and the model's parameter + buffer bytes before and after."""
+
+    scheme: str
+    quantized: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+    @property
+    def layers_quantized(self) -> int:
+        return len(self.quantized)
+
+    def __str__(self) -> str:
+        ratio = self.bytes_after / self.bytes_before if self.bytes_before else 1.0
+        return (
+            f"quantize_({self.scheme}): {self.layers_quantized} linear layers quantized, "
+            f"{len(self.skipped)} kept ({', '.join(self.skipped) or 'none'}); "
+            f"model bytes {self.bytes_before / 2**20:.2f} MiB -> {self.bytes_after / 2**20:.2f} MiB ({ratio:.2f}x)"
+        )
+
+
+def model_nbytes(model: nn.Module) -> int:
+    """Bytes of all distinct parameters and buffers (tied weights counted once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+@torch.no_grad()
+def quantize_(model: nn.Module, scheme: str | QuantScheme, skip: Iterable[str] = DEFAULT_SKIP) -> QuantReport:
+    """Replace every `nn.Linear` of `model` (except those matching `skip`) by a `QuantLinear`, in place.
+
+    Layers are selected by type, not by name suffix; `skip` takes globs or ``"re:"`` regexes over
+    qualified module names (default: `DEFAULT_SKIP`). Returns a `QuantReport`.
+    """
+    scheme = get_scheme(scheme)
+    skip = tuple(skip)
+    report = QuantReport(scheme=scheme.name, bytes_before=model_nbytes(model))
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    for name, linear in targets:
+        if not scheme.is_quantized or matches_any(name, skip):
+            report.skipped.append(name)
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantLinear.from_linear(linear, scheme))
+        report.quantized.append(name)
+    report.bytes_after = model_nbytes(model)
+    return report
