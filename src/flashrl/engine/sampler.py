@@ -64,3 +64,108 @@ class SamplingParams:
     def truncates(self) -> bool:
         """Whether top-k or top-p remove tokens (the trainer must then replay the truncation)."""
         return self.top_k > 0 or self.top_p < 1
+
+
+# ------------------------------------------------------------------------------------------------
+# processing: temperature -> top-k -> top-p (the definition of "processed")
+# ------------------------------------------------------------------------------------------------
+
+TOP_P_CANDIDATES = 1024
+"""Top-p first looks at this many most likely tokens; when they hold at least p of the mass (the
+usual case) the nucleus lies among them and no full-vocabulary sort is needed. Exact either way."""
+
+
+def _top_k_mask_(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Mask logits below the k-th largest value (ties with the k-th value are kept)."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits.masked_fill_(logits < kth, NEG_INF)
+    return logits
+
+
+def _top_p_mask_(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Remove tokens whose ascending cumulative probability is <= 1 - top_p (the most likely token
+    always stays): vLLM's rule. Rows whose top candidates hold >= p of the mass are resolved among
+    the candidates; the outside mass is added as the starting cumulative value, which gives exactly
+    the full-sort result because every outside token's cumulative value is <= 1 - p."""
+    if top_p >= 1:
+        return logits
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    log_z = torch.logsumexp(flat, dim=-1, keepdim=True)
+    k = min(TOP_P_CANDIDATES, vocab)
+    values, index = flat.topk(k, dim=-1)  # descending
+    probs = (values - log_z).exp()
+    inside = probs.sum(-1, keepdim=True)
+    cum_ascending = (1 - inside) + probs.flip(-1).cumsum(-1)  # ascending order over candidates
+    remove = (cum_ascending <= 1 - top_p).flip(-1)
+    remove[:, 0] = False
+    covered = (inside >= top_p).squeeze(-1) | (k == vocab)
+    result = torch.full_like(flat, NEG_INF)
+    result.scatter_(-1, index, values.masked_fill(remove, NEG_INF))
+    if not bool(covered.all()):  # rare: a very flat distribution; sort those rows fully
+        rows = (~covered).nonzero().squeeze(-1)
+        sorted_vals, sorted_idx = flat[rows].sort(dim=-1)
+        cum = sorted_vals.softmax(-1).cumsum(-1)
+        drop = cum <= 1 - top_p
+        drop[:, -1] = False
+        result[rows] = torch.full_like(sorted_vals, NEG_INF).scatter(-1, sorted_idx, sorted_vals.masked_fill(drop, NEG_INF))
+    return result.view_as(logits)
+
+
+def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The logits actually sampled from, fp32: ``logits / T`` with top-k and top-p applied as -inf.
+    Temperature 0 (greedy) leaves the logits unscaled."""
+    out = logits.float() / temperature if temperature > 0 else logits.float().clone()
+    if temperature > 0:
+        out = _top_k_mask_(out, top_k)
+        out = _top_p_mask_(out, top_p)
+    return out
+
+
+def replay_processed_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """fp32 logprobs of `tokens` [...] under the processed distribution of `logits` [..., V].
+
+    The trainer calls this with its own logits to replay the rollout's temperature and truncation;
+    a token outside the truncated support gets -inf.
+    """
+    processed = process_logits(logits, temperature, top_k, top_p)
+    return torch.log_softmax(processed, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor
+    """[B] sampled token ids."""
+    logprobs: torch.Tensor
+    """[B] fp32 logprob of each token under the processed distribution."""
+    raw_logprobs: torch.Tensor | None = None
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None = None) -> SampleOutput:
+    """Sample one token per row of `logits` [B, V].
+
+    Sampling is by inverse CDF with one uniform number per row (`uniforms` [B] in [0, 1)), so a
+    sequence's draws depend only on its own random stream, not on which other sequences share the
+    batch. Greedy rows take the argmax and need no uniforms.
+    """
+    processed = process_logits(logits, params.temperature, params.top_k, params.top_p)
+    logprobs_all = torch.log_softmax(processed, dim=-1)
+    if params.greedy:
+        tokens = processed.argmax(dim=-1)
+    else:
+        if uniforms is None:
+            raise ValueError("sampling with temperature > 0 needs one uniform number per row")
+        cdf = logprobs_all.exp().cumsum(dim=-1)
+        target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+        tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+        # u * total may round up to the total: fall back to the last token with positive probability
+        last_positive = (cdf < cdf[:, -1:]).sum(dim=-1)
+        tokens = torch.minimum(tokens, last_positive)
+    logprobs = logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    raw = None
+    if params.raw_logprobs:
+        raw = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return SampleOutput(tokens=tokens, logprobs=logprobs, raw_logprobs=raw)

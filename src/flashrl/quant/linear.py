@@ -34,7 +34,32 @@ from flashrl.quant.primitives import (
 from flashrl.quant.schemes import QuantScheme, get_scheme
 
 
-class QuantLinear(nn.Module):
+class _ShardedLinear:
+    """Shard bookkeeping shared by `QuantLinear` and `DenseLinear` (fused q/k/v, gate/up)."""
+
+    shard_sizes: tuple[int, ...]
+    out_features: int
+    bias: torch.Tensor | None
+
+    def shard_rows(self, shard: int) -> tuple[int, int]:
+        """Row range [start, end) of shard `shard` in the fused weight."""
+        if not 0 <= shard < len(self.shard_sizes):
+            raise IndexError(f"shard {shard} out of range for a layer with {len(self.shard_sizes)} shard(s)")
+        start = sum(self.shard_sizes[:shard])
+        return start, start + self.shard_sizes[shard]
+
+    @torch.no_grad()
+    def set_bias_(self, bias: torch.Tensor, shard: int | None = None) -> None:
+        """Copy a new bias (full, or one shard's slice) into the bias in place."""
+        if self.bias is None:
+            raise ValueError("this layer was built without a bias")
+        start, end = (0, self.out_features) if shard is None else self.shard_rows(shard)
+        if tuple(bias.shape) != (end - start,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected {(end - start,)}")
+        self.bias[start:end].copy_(bias)
+
+
+class QuantLinear(_ShardedLinear, nn.Module):
     """``y = x W^T + b`` with W stored as int8 / float8_e4m3fn codes plus fp32 scales.
 
     Buffers: ``weight`` [N, K] codes; ``weight_scale`` fp32 ([S] per-tensor with S shards, [N, 1]
@@ -109,13 +134,6 @@ class QuantLinear(nn.Module):
 
     # ---------------------------------------------------------------- shards
 
-    def shard_rows(self, shard: int) -> tuple[int, int]:
-        """Row range [start, end) of shard `shard` in the fused weight."""
-        if not 0 <= shard < len(self.shard_sizes):
-            raise IndexError(f"shard {shard} out of range for a layer with {len(self.shard_sizes)} shard(s)")
-        start = sum(self.shard_sizes[:shard])
-        return start, start + self.shard_sizes[shard]
-
     def _shard_scale(self, shard: int) -> torch.Tensor:
         g = self.scheme.weight_granularity
         if g == "tensor":
@@ -160,16 +178,6 @@ class QuantLinear(nn.Module):
         new = self.weight[rows[0] : rows[1]]
         return int((old.view(torch.uint8) != new.view(torch.uint8)).sum())
 
-    @torch.no_grad()
-    def set_bias_(self, bias: torch.Tensor, shard: int | None = None) -> None:
-        """Copy a new bias (full, or one shard's slice) into the bias buffer in place."""
-        if self.bias is None:
-            raise ValueError("this layer was built without a bias")
-        start, end = (0, self.out_features) if shard is None else self.shard_rows(shard)
-        if tuple(bias.shape) != (end - start,):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected {(end - start,)}")
-        self.bias[start:end].copy_(bias)
-
     # ---------------------------------------------------------------- compute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,6 +197,60 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         shards = f", shards={self.shard_sizes}" if len(self.shard_sizes) > 1 else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}{shards}, bias={self.bias is not None}"
+
+
+class DenseLinear(_ShardedLinear, nn.Linear):
+    """The `bf16` scheme's linear layer (also used for layers kept in high precision): an `nn.Linear`
+    with the same shard-aware in-place update API as `QuantLinear`, where "quantization" is a copy."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        shard_sizes: Iterable[int] | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype, device=device)
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.shard_sizes = tuple(int(s) for s in (shard_sizes or (out_features,)))
+        if sum(self.shard_sizes) != out_features:
+            raise ValueError(f"shard_sizes {self.shard_sizes} must sum to out_features={out_features}")
+
+    def reset_parameters(self) -> None:  # weights are always loaded; skip the random init
+        pass
+
+    @torch.no_grad()
+    def requantize_(self, weight: torch.Tensor, shard: int | None = None, count_changed: bool = False) -> int:
+        """Copy a new weight (full, or one shard's rows) in place, cast to the layer dtype."""
+        check_float_input(weight, "weight")
+        start, end = (0, self.out_features) if shard is None else self.shard_rows(shard)
+        if tuple(weight.shape) != (end - start, self.in_features):
+            what = "weight" if shard is None else f"shard {shard} weight"
+            raise ValueError(f"{what} has shape {tuple(weight.shape)}; expected {(end - start, self.in_features)}")
+        target = self.weight[start:end]
+        old = target.clone() if count_changed else None
+        target.copy_(weight)
+        return int((old != target).sum()) if old is not None else 0
+
+
+def make_linear(
+    in_features: int,
+    out_features: int,
+    scheme: str | QuantScheme,
+    bias: bool = False,
+    shard_sizes: Iterable[int] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+) -> "QuantLinear | DenseLinear":
+    """An empty linear layer of `scheme` (weights are loaded afterwards with `requantize_`)."""
+    scheme = get_scheme(scheme)
+    if scheme.is_quantized:
+        return QuantLinear(in_features, out_features, scheme, bias, shard_sizes, dtype, device)
+    return DenseLinear(in_features, out_features, bias, shard_sizes, dtype, device)
 
 
 # -------------------------------------------------------------------- model-level API

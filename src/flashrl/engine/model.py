@@ -1,0 +1,217 @@
+"""The decoder, written for inference: fused projections, a slot KV cache, logits only where needed.
+
+One class covers the Llama, Mistral, Qwen2 and Qwen3 families (`ModelConfig` lists what differs).
+Numerics follow the reference `transformers` implementations so that bf16/fp32 logits agree:
+RMSNorm in fp32 then cast back before the weight multiply; RoPE tables computed in fp32 and cast to
+the activation dtype; SwiGLU ``down(silu(gate(x)) * up(x))``; attention scaled by 1/sqrt(head_dim).
+
+Linear layers come from `flashrl.quant.linear.make_linear`, so one model serves every scheme:
+q/k/v are fused into `qkv_proj` (shards q, k, v) and gate/up into `gate_up_proj` (shards gate, up).
+The LM head and embeddings stay unquantized; with `lm_head_fp32` the head weight and the logits
+are fp32 end to end (the final hidden state is upcast before the head matmul).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flashrl.engine.kv_cache import KVCache
+from flashrl.engine.model_config import ModelConfig, rope_inv_freq
+from flashrl.quant.linear import DenseLinear, make_linear, matches_any
+from flashrl.quant.schemes import QuantScheme, get_scheme
+
+QKV_SHARDS = ("q_proj", "k_proj", "v_proj")
+GATE_UP_SHARDS = ("gate_proj", "up_proj")
+
+
+@dataclass
+class ForwardBatch:
+    """Where the tokens of one forward pass sit. `positions` [B, T]; for decode T == 1.
+
+    - prefill: `slots` [B] receive the K/V of positions 0..T-1 (right-padded prompts; causal
+      attention never lets a real token see the padding after it);
+    - decode: the batch is slots 0..B-1, each writes one token at `positions[:, 0]` and attends
+      over cache positions 0..kv_length-1 up to its own position;
+    - no cache (`cache` None): a plain causal forward over the whole sequence (scoring, tests).
+    """
+
+    positions: torch.Tensor
+    cache: KVCache | None = None
+    slots: torch.Tensor | None = None
+    decode: bool = False
+    kv_length: int = 0
+    mask: torch.Tensor | None = None
+    """Boolean attention mask [B or 1, 1, T, S] (True = attend); None means plain causal."""
+
+
+def attention_mask(
+    q_positions: torch.Tensor, kv_length: int, sliding_window: int | None
+) -> torch.Tensor:
+    """Mask [B, 1, T, S]: query at position p sees keys 0..p (and only the last `sliding_window`)."""
+    keys = torch.arange(kv_length, device=q_positions.device)
+    q = q_positions[:, None, :, None]
+    mask = keys <= q
+    if sliding_window is not None:
+        mask &= keys > q - sliding_window
+    return mask
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for positions 0..max_len-1, rotate-half convention (as transformers)."""
+
+    def __init__(self, config: ModelConfig, max_len: int, device: torch.device) -> None:
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(config)
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", (emb.cos() * scaling).to(device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(device), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, heads, T, D], positions [B, T]."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, scheme_for, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.layer, self.config = layer, config
+        h, d = config.hidden_size, config.head_dim
+        self.qkv_proj = make_linear(h, config.q_size + 2 * config.kv_size, scheme_for("self_attn.qkv_proj", QKV_SHARDS),
+                                    bias=config.qkv_bias, shard_sizes=(config.q_size, config.kv_size, config.kv_size),
+                                    dtype=dtype, device=device)
+        self.o_proj = make_linear(config.q_size, h, scheme_for("self_attn.o_proj", ("o_proj",)),
+                                  bias=config.qkv_bias and config.family == "llama", dtype=dtype, device=device)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+        self.scale = d**-0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary) -> torch.Tensor:
+        b, t, _ = x.shape
+        c = self.config
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(b, t, c.num_heads, c.head_dim)
+        k = k.view(b, t, c.num_kv_heads, c.head_dim)
+        v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotary(q.transpose(1, 2), batch.positions)
+        k = rotary(k.transpose(1, 2), batch.positions)
+        cache = batch.cache
+        if cache is not None and batch.decode:
+            cache.write_decode(self.layer, batch.positions[:, 0], k[:, :, 0], v[:, :, 0])
+            k, v = cache.read(self.layer, b, batch.kv_length)
+        elif cache is not None:
+            cache.write_prefill(self.layer, batch.slots, k, v)
+        out = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=batch.mask, is_causal=batch.mask is None and t > 1,
+            scale=self.scale, enable_gqa=c.num_heads != c.num_kv_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, scheme_for, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.intermediate = i
+        self.gate_up_proj = make_linear(h, 2 * i, scheme_for("mlp.gate_up_proj", GATE_UP_SHARDS), bias=config.mlp_bias,
+                                        shard_sizes=(i, i), dtype=dtype, device=device)
+        self.down_proj = make_linear(i, h, scheme_for("mlp.down_proj", ("down_proj",)), bias=config.mlp_bias,
+                                     dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, scheme_for, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        prefix = f"model.layers.{layer}."
+        self.self_attn = Attention(config, layer, lambda n, s: scheme_for(prefix + n, [prefix + "self_attn." + x for x in s]), dtype, device)
+        self.mlp = MLP(config, lambda n, s: scheme_for(prefix + n, [prefix + "mlp." + x for x in s]), dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, rotary: Rotary) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, rotary)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    """The whole causal LM. Module names mirror the Hugging Face ones, with q/k/v and gate/up fused."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        scheme: str | QuantScheme = "bf16",
+        skip: tuple[str, ...] = (),
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        max_len: int = 4096,
+        lm_head_fp32: bool = False,
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        scheme = get_scheme(scheme)
+        bf16 = get_scheme("bf16")
+
+        def scheme_for(name: str, hf_names: list[str]) -> QuantScheme:
+            """A fused layer stays in high precision if its own name or any shard's HF name is skipped."""
+            return bf16 if matches_any(name, skip) or any(matches_any(n, skip) for n in hf_names) else scheme
+
+        self.config, self.dtype, self.lm_head_fp32 = config, dtype, lm_head_fp32
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, scheme_for, dtype, device) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        head_dtype = torch.float32 if lm_head_fp32 else dtype
+        self.lm_head = DenseLinear(config.hidden_size, config.vocab_size, dtype=head_dtype, device=device)
+        if config.tie_word_embeddings and not lm_head_fp32:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(config, max_len, device)
+        self.sliding_window = config.sliding_window
+
+    def hidden_states(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final-norm hidden states [B, T, hidden] for token ids [B, T]."""
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h, batch, self.rotary)
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits. With `lm_head_fp32` the matmul itself runs in fp32; otherwise the logits are
+        computed in the model dtype and then upcast."""
+        if self.lm_head_fp32:
+            return self.lm_head(hidden.float())
+        return self.lm_head(hidden).float()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Full causal forward without a cache: fp32 logits [B, T, vocab]."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        mask = None
+        if self.sliding_window is not None and input_ids.shape[1] > self.sliding_window:
+            mask = attention_mask(positions, input_ids.shape[1], self.sliding_window)
+        return self.logits(self.hidden_states(input_ids, ForwardBatch(positions=positions, mask=mask)))
