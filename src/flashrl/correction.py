@@ -161,7 +161,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -214,7 +214,7 @@ the other options have no documented default and need explicit thresholds."""
 Threshold = float | tuple[float, float]
 
 
-def _fail(name: str, value: Any, allowed: str) -> None:
+def _fail(name: str, value: Any, allowed: str) -> NoReturn:
     raise ValueError(f"CorrectionConfig.{name}={value!r} is invalid; allowed: {allowed}")
 
 
