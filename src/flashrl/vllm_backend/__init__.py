@@ -1,0 +1,54 @@
+"""flashrl inside vLLM: online INT8 / FP8 rollouts re-quantized every step, through vLLM's extension points.
+
+    from vllm import LLM
+    from flashrl.vllm_backend import WeightSync, engine_kwargs
+
+    llm = LLM(model_dir, **engine_kwargs("int8"))      # or FLASHRL_CONFIG=int8 and engine_kwargs()
+    sync = WeightSync(llm)
+    for step in ...:
+        outputs = llm.generate(prompts, sampling_params)   # logprobs: processed, as sampled
+        ...train...
+        timings = sync.push(trainer.named_parameters())     # re-quantized, prefix cache reset
+
+| module          | what                                                                                 |
+|-----------------|--------------------------------------------------------------------------------------|
+| `plugin`        | ``vllm.general_plugins`` entry point: registers the methods, the transfer backend, the FLASHRL_CONFIG hook |
+| `quant_methods` | ``flashrl_int8`` / ``flashrl_fp8`` / ``flashrl_fp8_channel`` / ``flashrl_fp8_block`` configs and linear method |
+| `transfer`      | the ``flashrl`` weight-transfer backend and the ``flashrl_*`` worker methods        |
+| `config`        | `engine_kwargs` (``LLM(...)`` arguments for a scheme) and the FLASHRL_CONFIG handling |
+| `weight_sync`   | `WeightSync`: trainer parameters -> running ``LLM``, grouped by layer, with timings  |
+| `backend`       | `VLLMBackend`: the `flashrl.rollout.RolloutBackend` protocol on top of ``vllm.LLM``   |
+
+Importing this package does not import vLLM; `WeightSync` and `VLLMBackend` import it on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from flashrl.vllm_backend.config import engine_kwargs, rollout_config
+from flashrl.vllm_backend.names import METHOD_NAMES, TESTED_VLLM_VERSIONS, TRANSFER_BACKEND
+
+if TYPE_CHECKING:
+    from flashrl.vllm_backend.backend import VLLMBackend
+    from flashrl.vllm_backend.weight_sync import WeightSync
+
+__all__ = [
+    "METHOD_NAMES",
+    "TESTED_VLLM_VERSIONS",
+    "TRANSFER_BACKEND",
+    "VLLMBackend",
+    "WeightSync",
+    "engine_kwargs",
+    "rollout_config",
+]
+
+_LAZY = {"VLLMBackend": "flashrl.vllm_backend.backend", "WeightSync": "flashrl.vllm_backend.weight_sync"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

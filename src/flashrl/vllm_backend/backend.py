@@ -1,0 +1,180 @@
+"""`VLLMBackend`: the `flashrl.rollout.RolloutBackend` protocol on top of ``vllm.LLM``.
+
+The trainer talks to this class exactly as to the built-in engine: `generate` returns `Rollout`s
+whose ``logprobs`` are vLLM's processed logprobs (the distribution sampled from: temperature,
+top-k, top-p applied), `update_weights` pushes new weights through `WeightSync` (re-quantizing
+in vLLM), and `stats` reports counters and seconds per phase.
+
+Raw logprobs (``SamplingParams(raw_logprobs=True)``) are not returned by vLLM alongside processed
+ones; they are computed by a second, prefill-only pass over prompt + response with vLLM's prompt
+logprobs (always raw).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from flashrl.config import RolloutConfig
+from flashrl.engine.sampler import SamplingParams
+from flashrl.rollout import FINISH_REASONS, Rollout
+from flashrl.vllm_backend.config import engine_kwargs, rollout_config
+
+
+def _dtype_name(dtype: str | torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+
+
+class VLLMBackend:
+    """Rollouts from vLLM with flashrl's online quantization.
+
+    `config`: a scheme name, a YAML path or a `RolloutConfig` (None reads ``FLASHRL_CONFIG``).
+    `llm_kwargs` go to ``vllm.LLM`` and override `engine_kwargs(config)`, e.g. ``max_model_len``,
+    ``enforce_eager`` or ``gpu_memory_utilization``.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        config: RolloutConfig | str | None = None,
+        dtype: str | torch.dtype = "bfloat16",
+        seed: int = 0,
+        **llm_kwargs: Any,
+    ) -> None:
+        from vllm import LLM
+
+        from flashrl.vllm_backend.weight_sync import WeightSync
+
+        self.config = rollout_config(config)
+        kwargs = {**engine_kwargs(self.config), "dtype": _dtype_name(dtype), "seed": seed, **llm_kwargs}
+        self.llm = LLM(str(model_dir), **kwargs)
+        self.sync = WeightSync(self.llm)
+        self._stats: dict[str, float] = dict.fromkeys(
+            ("generate_calls", "prompts", "rollouts", "prompt_tokens", "tokens_generated", "generate_s",
+             "raw_logprob_s", "weight_updates", "sync_s", "transfer_s", "requant_s"),
+            0.0,
+        )
+
+    # ------------------------------------------------------------------ RolloutBackend
+
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
+        """Sample `params.n` responses per prompt (text or token ids); prompt-major order.
+
+        vLLM refuses ``n > 1`` with greedy sampling, so greedy requests are repeated instead.
+        """
+        start = time.perf_counter()
+        repeat = params.n if params.greedy else 1
+        requests = [self._prompt(p) for p in prompts for _ in range(repeat)]
+        outputs = self.llm.generate(requests, self._vllm_params(params, params.n // repeat), use_tqdm=False)
+        rollouts: list[Rollout] = []
+        for request_index, output in enumerate(outputs):
+            prompt_ids = list(output.prompt_token_ids)
+            for completion in sorted(output.outputs, key=lambda c: c.index):
+                response_ids = list(completion.token_ids)
+                logprobs = (
+                    [step[token].logprob for step, token in zip(completion.logprobs, response_ids)]
+                    if params.logprobs
+                    else []
+                )
+                reason = completion.finish_reason
+                if reason not in FINISH_REASONS:
+                    raise RuntimeError(f"vLLM finished a request with reason {reason!r}; expected one of {FINISH_REASONS}")
+                rollouts.append(
+                    Rollout(
+                        prompt_ids=prompt_ids,
+                        response_ids=response_ids,
+                        text=completion.text,
+                        logprobs=logprobs,
+                        finish_reason=reason,
+                        prompt_index=request_index // repeat,
+                        sample_index=request_index % repeat + completion.index,
+                    )
+                )
+        self._stats["generate_s"] += time.perf_counter() - start
+        if params.raw_logprobs:
+            raw_start = time.perf_counter()
+            for rollout, raw in zip(rollouts, self.raw_logprobs([(r.prompt_ids, r.response_ids) for r in rollouts])):
+                rollout.raw_logprobs = raw
+            self._stats["raw_logprob_s"] += time.perf_counter() - raw_start
+        self._stats["generate_calls"] += 1
+        self._stats["prompts"] += len(prompts)
+        self._stats["rollouts"] += len(rollouts)
+        self._stats["prompt_tokens"] += sum(len(o.prompt_token_ids) for o in outputs)
+        self._stats["tokens_generated"] += sum(len(r.response_ids) for r in rollouts)
+        return rollouts
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Push new weights (Hugging Face names) into vLLM; returns `WeightSync.push` timings."""
+        timings = self.sync.push(named_tensors)
+        self._stats["weight_updates"] += 1
+        self._stats["sync_s"] += timings["total_s"]
+        self._stats["transfer_s"] += timings["transfer_s"]
+        self._stats["requant_s"] += timings["requant_s"]
+        return timings
+
+    def stats(self) -> dict[str, float]:
+        """Counters and seconds since construction."""
+        stats = dict(self._stats)
+        if stats["generate_s"] > 0:
+            stats["tokens_per_s"] = stats["tokens_generated"] / stats["generate_s"]
+        return stats
+
+    # ------------------------------------------------------------------ extras
+
+    def raw_logprobs(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """Raw logprobs (log-softmax of the unprocessed logits) of each response after its prompt,
+        from one prefill of prompt + response (vLLM's prompt logprobs)."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=[*p, *r]) for p, r in sequences]
+        params = VllmSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        result = []
+        for (prompt_ids, response_ids), output in zip(sequences, outputs):
+            steps = output.prompt_logprobs[len(prompt_ids):]
+            result.append([step[token].logprob for step, token in zip(steps, response_ids)])
+        return result
+
+    def close(self) -> None:
+        """Shut the engine down (its processes, in multiprocessing mode)."""
+        engine_core = getattr(getattr(self, "llm", None), "llm_engine", None)
+        engine_core = getattr(engine_core, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        self.llm = None
+
+    def __enter__(self) -> "VLLMBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _prompt(prompt: str | Sequence[int]) -> Any:
+        if isinstance(prompt, str):
+            return prompt
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=[int(t) for t in prompt])
+
+    @staticmethod
+    def _vllm_params(params: SamplingParams, n: int) -> Any:
+        from vllm import SamplingParams as VllmSamplingParams
+
+        return VllmSamplingParams(
+            n=n,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            max_tokens=params.max_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            seed=params.seed,
+            logprobs=0 if params.logprobs else None,
+        )

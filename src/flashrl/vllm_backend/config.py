@@ -1,0 +1,120 @@
+"""`engine_kwargs`: the ``LLM(...)`` keyword arguments for a flashrl rollout config, and
+`apply_env_config`, which applies ``FLASHRL_CONFIG`` to an unmodified script's engine arguments.
+
+This module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from flashrl.config import RolloutConfig, from_env, resolve_config
+from flashrl.quant.linear import DEFAULT_SKIP
+from flashrl.vllm_backend.names import METHOD_NAMES, TRANSFER_BACKEND, WORKER_EXTENSION
+
+logger = logging.getLogger(__name__)
+
+_LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+
+
+def rollout_config(scheme: str | RolloutConfig | None = None) -> RolloutConfig:
+    """The config `scheme` names (a scheme, a YAML path or a config); None reads ``FLASHRL_CONFIG``
+    (and ``FLASHRL_LMHEAD_FP32``), and without them gives the defaults (bf16)."""
+    if scheme is None:
+        return from_env() or RolloutConfig()
+    return resolve_config(scheme, source="scheme")
+
+
+def engine_kwargs(scheme: str | RolloutConfig | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` that run rollouts with `scheme`:
+
+    ``LLM(model, **engine_kwargs("int8"))``. `scheme` is a flashrl scheme (``bf16``, ``int8``,
+    ``fp8``, ``fp8_channel``, ``fp8_block``), a YAML path or a `RolloutConfig`; None reads
+    ``FLASHRL_CONFIG``. The result holds:
+
+    - ``quantization``: ``flashrl_<scheme>`` (absent for bf16), plus ``hf_overrides`` carrying the
+      skip list when it differs from the default;
+    - ``logprobs_mode="processed_logprobs"``: logprobs of the distribution actually sampled from;
+    - ``weight_transfer_config={"backend": "flashrl"}`` and the ``flashrl_*`` worker extension,
+      which `WeightSync` uses to push new weights every step;
+    - ``kv_cache_dtype="fp8"`` when the config asks for an fp8 KV cache with a fixed scale of 1.0.
+
+    Raises ValueError for settings the vLLM backend cannot honour (fp32 LM head, calibrated KV scales).
+    """
+    config = rollout_config(scheme)
+    if config.lm_head_fp32:
+        raise ValueError(
+            "lm_head_fp32=True is not supported by the vLLM backend (vLLM computes logits in the model "
+            "dtype); use the built-in engine or set lm_head_fp32: false"
+        )
+    kwargs: dict[str, Any] = {
+        "logprobs_mode": _LOGPROBS_MODES[config.logprobs_mode],
+        "weight_transfer_config": {"backend": TRANSFER_BACKEND},
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+    if config.quant != "bf16":
+        method = METHOD_NAMES[config.quant]
+        kwargs["quantization"] = method
+        if tuple(config.skip) != DEFAULT_SKIP:
+            kwargs["hf_overrides"] = {"quantization_config": {"quant_method": method, "skip": list(config.skip)}}
+    if config.kv_cache_dtype == "fp8":
+        if config.kv_scale != 1.0:
+            raise ValueError(
+                f"kv_cache_dtype=fp8 with kv_scale={config.kv_scale!r} is not supported by the vLLM backend yet: "
+                "vLLM resets KV-cache scales to 1.0 on every weight reload and flashrl does not recalibrate "
+                "them there yet; set kv_scale: 1.0 to use vLLM's fp8 KV cache with unit scales"
+            )
+        kwargs["kv_cache_dtype"] = "fp8"
+    return kwargs
+
+
+def apply_env_config(engine_args: Any) -> list[str]:
+    """Apply ``FLASHRL_CONFIG`` to a ``vllm.EngineArgs`` in place; returns the fields it changed.
+
+    Only fields the user left at their defaults are changed: an explicit ``quantization`` other
+    than a flashrl method wins over the variable (logged), and so does an explicit
+    ``worker_extension_cls`` or ``weight_transfer_config``. ``logprobs_mode`` is set to the
+    config's mode when it is vLLM's default (``raw_logprobs``).
+    """
+    config = from_env()
+    if config is None:
+        return []
+    wanted = engine_kwargs(config)
+    changed: list[str] = []
+    method = wanted.get("quantization")
+    if engine_args.quantization is None:
+        if method is not None:
+            engine_args.quantization = method
+            changed.append("quantization")
+    elif engine_args.quantization != method:
+        logger.warning(
+            "FLASHRL_CONFIG asks for %s but LLM(quantization=%r) was given explicitly; keeping %r",
+            method or "bf16", engine_args.quantization, engine_args.quantization,
+        )
+    if engine_args.logprobs_mode == "raw_logprobs" and wanted["logprobs_mode"] != "raw_logprobs":
+        engine_args.logprobs_mode = wanted["logprobs_mode"]
+        changed.append("logprobs_mode")
+    if engine_args.weight_transfer_config is None:
+        from vllm.config import WeightTransferConfig
+
+        engine_args.weight_transfer_config = WeightTransferConfig(**wanted["weight_transfer_config"])
+        changed.append("weight_transfer_config")
+    if not engine_args.worker_extension_cls:
+        engine_args.worker_extension_cls = wanted["worker_extension_cls"]
+        changed.append("worker_extension_cls")
+    if "hf_overrides" in wanted and engine_args.quantization == method:
+        overrides = engine_args.hf_overrides
+        if overrides is None or isinstance(overrides, dict):
+            merged = dict(overrides or {})
+            merged.setdefault("quantization_config", wanted["hf_overrides"]["quantization_config"])
+            engine_args.hf_overrides = merged
+            changed.append("hf_overrides")
+        else:
+            logger.warning("FLASHRL_CONFIG skip list not applied: hf_overrides is a callable")
+    if "kv_cache_dtype" in wanted and engine_args.kv_cache_dtype == "auto":
+        engine_args.kv_cache_dtype = wanted["kv_cache_dtype"]
+        changed.append("kv_cache_dtype")
+    if changed:
+        logger.info("FLASHRL_CONFIG set %s", ", ".join(f"{name}={getattr(engine_args, name)!r}" for name in changed))
+    return changed

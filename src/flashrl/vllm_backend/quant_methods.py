@@ -1,0 +1,295 @@
+"""flashrl's online quantization methods for vLLM: ``flashrl_int8``, ``flashrl_fp8``,
+``flashrl_fp8_channel`` and ``flashrl_fp8_block``.
+
+Each config makes vLLM create the ordinary bf16 (checkpoint-format) weight of every linear layer,
+on the meta device like vLLM's own online methods, so loading is layer by layer. When a layer's
+weights are complete, `process_weights_after_loading` quantizes them with flashrl's own code: the
+layer's fused weight is handed to `QuantLinear.requantize_` with ``shard_sizes`` set to vLLM's
+``output_partition_sizes`` (q/k/v or gate/up), so codes and scales are exactly those of
+``QuantLinear.from_linear(fused, scheme, shard_sizes=...)`` (per-tensor fp8 keeps one scale per
+shard; blocks get one grid per shard). The forward pass calls `flashrl.quant.gemm.scaled_linear`,
+the function `QuantLinear.forward` calls, so a vLLM layer and a `QuantLinear` agree bit for bit.
+
+Per-step reload uses vLLM's layerwise reload (`vllm/model_executor/model_loader/reload`): it puts
+the bf16 weight back on the meta device, buffers the new checkpoint tensors until a layer is
+complete, runs `process_weights_after_loading` again and copies the results into the original
+storages. The method keeps no state between loads, so a reload gives exactly what a fresh load of
+the same weights gives.
+
+Kernels: ``torch._int_mm`` (int8) and ``torch._scaled_mm`` (fp8 per-tensor and per-channel) on CPU
+and CUDA; fp8_block runs flashrl's reference path (dequantize per block, fp32 matmul) everywhere.
+The GEMM is wrapped in a torch custom op, so torch.compile and CUDA graphs treat it as one opaque
+call. Embeddings, the LM head, norms and attention are left to vLLM's unquantized methods; MoE
+experts stay in high precision for now.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, ClassVar
+
+import torch
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
+from vllm.model_executor.parameter import ModelWeightParameter
+from vllm.model_executor.utils import replace_parameter, set_weight_attrs
+from vllm.platforms import current_platform
+
+from flashrl.quant.gemm import check_gemm_shape, scaled_linear
+from flashrl.quant.linear import DEFAULT_SKIP, QuantLinear, matches_any
+from flashrl.quant.schemes import get_scheme
+from flashrl.vllm_backend.names import METHOD_NAMES
+
+logger = logging.getLogger(__name__)
+
+_PROCESSED_FLAG = "_already_called_process_weights_after_loading"
+"""vLLM's marker for "already quantized": the loader calls `process_weights_after_loading` once
+per layer during layerwise loading and once more in its final pass; layerwise reload deletes the
+marker so the next reload quantizes again."""
+
+
+# ------------------------------------------------------------------------------------------------
+# requantization statistics (per process; read by the worker extension after a weight update)
+# ------------------------------------------------------------------------------------------------
+
+_requant_stats = {"requant_s": 0.0, "layers_requantized": 0}
+
+
+def pop_requant_stats() -> dict[str, float]:
+    """Seconds spent quantizing and the number of layers quantized since the last call; resets both."""
+    stats = dict(_requant_stats)
+    _requant_stats.update(requant_s=0.0, layers_requantized=0)
+    return stats
+
+
+# ------------------------------------------------------------------------------------------------
+# the GEMM as a custom op
+# ------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flashrl::vllm_scaled_linear", mutates_args=())
+def flashrl_scaled_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    scheme: str,
+    shard_sizes: list[int],
+) -> torch.Tensor:
+    """`flashrl.quant.gemm.scaled_linear` as an opaque op: ``x @ dequant(weight)^T + bias`` in x's dtype."""
+    return scaled_linear(x, weight, scale, get_scheme(scheme), bias, x.dtype, tuple(shard_sizes))
+
+
+@flashrl_scaled_linear.register_fake
+def _(x, weight, scale, bias, scheme, shard_sizes):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# ------------------------------------------------------------------------------------------------
+# linear method
+# ------------------------------------------------------------------------------------------------
+
+
+class FlashRLLinearMethod(LinearMethodBase):
+    """bf16 weights in, flashrl codes and scales out; one instance per linear layer.
+
+    Layer tensors after loading: ``weight`` (codes [N, K], int8 or float8_e4m3fn), ``weight_scale``
+    (fp32, `QuantLinear`'s layout) and, for per-tensor fp8 over several shards, ``row_scale`` [N]
+    (the per-row expansion the GEMM reads).
+    """
+
+    uses_meta_device = True
+
+    def __init__(self, scheme: str) -> None:
+        self.scheme = get_scheme(scheme)
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        out_features = sum(output_partition_sizes)
+        prefix = getattr(layer, "prefix", "") or type(layer).__name__
+        try:
+            check_gemm_shape(self.scheme, input_size_per_partition, out_features, torch.device(current_platform.device_type))
+        except ValueError as err:
+            raise ValueError(f"{prefix}: {err}") from None
+        layer.logical_widths = list(output_partition_sizes)
+        layer.input_size_per_partition = input_size_per_partition
+        layer.output_size_per_partition = out_features
+        weight_loader = extra_weight_attrs.pop("weight_loader")
+        weight = ModelWeightParameter(
+            data=torch.empty(out_features, input_size_per_partition, dtype=params_dtype, device="meta"),
+            input_dim=1,
+            output_dim=0,
+            weight_loader=weight_loader,
+        )
+        layer.register_parameter("weight", weight)
+        set_weight_attrs(weight, extra_weight_attrs)
+        # Buffer this layer's checkpoint tensors and quantize once they are all there (first load).
+        initialize_online_processing(layer)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if getattr(layer, _PROCESSED_FLAG, False):
+            return
+        start = time.perf_counter()
+        weight = layer.weight.data
+        quantized = QuantLinear(
+            layer.input_size_per_partition,
+            layer.output_size_per_partition,
+            self.scheme,
+            shard_sizes=layer.logical_widths,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+        try:
+            quantized.requantize_(weight)
+        except ValueError as err:
+            raise ValueError(f"{getattr(layer, 'prefix', '')}: {err}") from None
+        replace_parameter(layer, "weight", quantized.weight)
+        replace_parameter(layer, "weight_scale", quantized.weight_scale)
+        if quantized.row_scale is not None:
+            replace_parameter(layer, "row_scale", quantized.row_scale)
+        setattr(layer, _PROCESSED_FLAG, True)
+        if weight.is_cuda:
+            torch.cuda.synchronize(weight.device)
+        _requant_stats["requant_s"] += time.perf_counter() - start
+        _requant_stats["layers_requantized"] += 1
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        scale = getattr(layer, "row_scale", None)
+        if scale is None:
+            scale = layer.weight_scale
+        return flashrl_scaled_linear(x, layer.weight, scale, bias, self.scheme.name, layer.logical_widths)
+
+
+# ------------------------------------------------------------------------------------------------
+# configs (module level: vLLM pickles the config instance to its engine processes)
+# ------------------------------------------------------------------------------------------------
+
+
+class FlashRLQuantConfig(QuantizationConfig):
+    """Online quantization of every `LinearBase` layer with one flashrl scheme.
+
+    ``skip`` holds module-name patterns kept in high precision (globs or ``re:`` regexes, as for
+    `flashrl.quant.quantize_`), matched against the checkpoint names of the tensors a vLLM layer
+    fuses (``...q_proj``, ``...k_proj``, ``...v_proj`` for ``...qkv_proj``). A fused layer is
+    skipped when all of its parts match; a pattern that matches only some parts is an error.
+    """
+
+    scheme_name: ClassVar[str] = ""
+    min_capability: ClassVar[int] = 89
+
+    def __init__(self, skip: tuple[str, ...] | list[str] = DEFAULT_SKIP) -> None:
+        super().__init__()
+        if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
+            raise ValueError(f"skip must be a list of module-name patterns, got {skip!r}")
+        self.skip = tuple(skip)
+        self._warned_moe = False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(skip={list(self.skip)})"
+
+    @classmethod
+    def method_name(cls) -> str:
+        return METHOD_NAMES[cls.scheme_name]
+
+    def get_name(self) -> str:
+        return self.method_name()
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return cls.min_capability
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "FlashRLQuantConfig":
+        """From a ``quantization_config`` mapping such as ``{"quant_method": "flashrl_int8", "skip": [...]}``."""
+        method = config.get("quant_method", cls.method_name())
+        if method != cls.method_name():
+            raise ValueError(f"{cls.__name__} got quant_method={method!r}; expected {cls.method_name()!r}")
+        unknown = sorted(set(config) - {"quant_method", "skip"})
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(unknown)} in the {method} quantization_config; allowed: skip")
+        return cls(skip=config.get("skip", DEFAULT_SKIP))
+
+    def is_skipped(self, prefix: str) -> bool:
+        """Whether the layer named `prefix` stays in high precision (see the class docstring)."""
+        if matches_any(prefix, self.skip):
+            return True
+        parent, _, leaf = prefix.rpartition(".")
+        parts = self.packed_modules_mapping.get(leaf)
+        if not parts:
+            return False
+        names = [f"{parent}.{part}" if parent else part for part in parts]
+        matched = [matches_any(name, self.skip) for name in names]
+        if all(matched):
+            return True
+        if any(matched):
+            raise ValueError(
+                f"skip patterns {list(self.skip)} match only "
+                f"{[n for n, m in zip(names, matched) if m]} of the tensors vLLM fuses into {prefix} "
+                f"({', '.join(parts)}); they run as one GEMM, so skip all of them or none"
+            )
+        return False
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, LinearBase):
+            if self.is_skipped(prefix):
+                return UnquantizedLinearMethod()
+            return FlashRLLinearMethod(self.scheme_name)
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+        if isinstance(layer, RoutedExperts):
+            if not self._warned_moe:
+                logger.warning("%s keeps MoE experts in high precision (not quantized yet)", self.get_name())
+                self._warned_moe = True
+        # Embeddings, the LM head, attention (no KV-cache scales) and experts: vLLM's unquantized path.
+        return None
+
+
+class FlashRLInt8Config(FlashRLQuantConfig):
+    """``flashrl_int8``: W8A8 int8, per-channel weights, per-token dynamic activations."""
+
+    scheme_name = "int8"
+    min_capability = 75
+
+
+class FlashRLFp8Config(FlashRLQuantConfig):
+    """``flashrl_fp8``: e4m3, one weight scale per checkpoint tensor, per-tensor dynamic activations."""
+
+    scheme_name = "fp8"
+
+
+class FlashRLFp8ChannelConfig(FlashRLQuantConfig):
+    """``flashrl_fp8_channel``: e4m3, per-channel weights, per-token dynamic activations."""
+
+    scheme_name = "fp8_channel"
+
+
+class FlashRLFp8BlockConfig(FlashRLQuantConfig):
+    """``flashrl_fp8_block``: e4m3, 128x128 weight blocks, 1x128 activation groups (reference GEMM)."""
+
+    scheme_name = "fp8_block"
+
+
+CONFIG_CLASSES: tuple[type[FlashRLQuantConfig], ...] = (
+    FlashRLInt8Config,
+    FlashRLFp8Config,
+    FlashRLFp8ChannelConfig,
+    FlashRLFp8BlockConfig,
+)

@@ -1,0 +1,83 @@
+"""Tiny checkpoints that vLLM can load: a `flashrl.testing` model plus a local character tokenizer.
+
+vLLM needs a tokenizer in the model directory (unless ``skip_tokenizer_init=True``); the built-in
+engine does not. The tokenizer is built with the `tokenizers` library from a fixed vocabulary, so
+nothing is downloaded: ids 0-3 are ``<pad> <s> </s> <unk>`` (matching `flashrl.testing.tiny_config`'s
+pad/bos/eos ids), then the 95 printable ASCII characters one token each, then filler tokens
+``<t99>``... up to the model's vocabulary size.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashrl.testing import save_tiny_model
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+
+
+def save_char_tokenizer(path: str | Path, vocab_size: int = 256) -> Path:
+    """Write a character-level `PreTrainedTokenizerFast` with `vocab_size` tokens to `path`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c.isprintable()]  # 95 printable ASCII characters
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
+    if vocab_size < len(vocab):
+        raise ValueError(f"vocab_size={vocab_size} is too small; the character tokenizer needs >= {len(vocab)}")
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<t{i}>"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(path)
+    return Path(path)
+
+
+def save_tiny_vllm_model(
+    path: str | Path, family: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Path:
+    """`flashrl.testing.save_tiny_model` plus the character tokenizer, in one directory.
+
+    The default family is qwen3 (head_dim 32): vLLM's CPU attention needs head_size % 32 == 0.
+    """
+    path = save_tiny_model(path, family=family, seed=seed, dtype=dtype, **overrides)
+    save_char_tokenizer(path, vocab_size=int(overrides.get("vocab_size", 256)))
+    return path
+
+
+TEST_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+"""Environment for small in-process vLLM tests: engine core in this process (the model and its
+tensors are reachable), 1 GiB of KV cache."""
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The fp32 ``named_parameters()`` of the `transformers` checkpoint at `path` (what a trainer sends)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def save_perturbed_copy(src: str | Path, dst: str | Path, scale: float = 0.05, seed: int = 1) -> Path:
+    """Copy the checkpoint (and tokenizer) at `src` to `dst` with Gaussian noise of std
+    ``scale * std(parameter)`` added to every parameter: a stand-in for a trained policy."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * (scale * float(p.std()) if p.numel() > 1 else scale))
+    model.save_pretrained(dst)
+    transformers.AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return Path(dst)

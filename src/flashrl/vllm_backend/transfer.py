@@ -1,0 +1,115 @@
+"""The ``flashrl`` weight-transfer backend (inference side) and the ``flashrl_*`` worker methods.
+
+vLLM's weight-transfer API (`vllm/distributed/weight_transfer`) splits a weight update into
+``start_weight_update`` / ``update_weights`` (any number of chunks) / ``finish_weight_update``;
+the backend decides how tensors travel. vLLM ships CUDA backends (NCCL, CUDA IPC). This one works
+on every device with no rendezvous:
+
+- in-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) receive the trainer's tensors
+  themselves (``update_info = {"names": [...], "tensors": [...]}``);
+- multi-process engines receive the path of a safetensors file the trainer wrote for the chunk
+  (``update_info = {"names": [...], "path": "/dev/shm/..."}``).
+
+Each chunk goes through ``model.load_weights`` inside vLLM's layerwise reload, so every layer is
+re-quantized (`FlashRLLinearMethod.process_weights_after_loading`) as soon as its tensors are
+complete. `WeightSync` (trainer side) drives it; the backend is registered by
+`flashrl.vllm_backend.plugin.register` under the name ``flashrl``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+
+@dataclass
+class FlashRLTransferInitInfo(WeightTransferInitInfo):
+    """Nothing to set up: the data plane is the Python call (in-process) or a file."""
+
+
+@dataclass
+class FlashRLTransferUpdateInfo(WeightTransferUpdateInfo):
+    """One chunk of checkpoint-format tensors: `tensors` (in-process) or a safetensors `path`."""
+
+    names: list[str]
+    tensors: list[torch.Tensor] | None = None
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tensors is None) == (self.path is None):
+            raise ValueError("flashrl update_info needs exactly one of `tensors` or `path`")
+        if self.tensors is not None and len(self.tensors) != len(self.names):
+            raise ValueError(f"flashrl update_info has {len(self.names)} names but {len(self.tensors)} tensors")
+
+
+class FlashRLWeightTransferEngine(WeightTransferEngine[FlashRLTransferInitInfo, FlashRLTransferUpdateInfo]):
+    """Loads checkpoint-format chunks through vLLM's layerwise reload (re-quantizing every layer)."""
+
+    init_info_cls = FlashRLTransferInitInfo
+    update_info_cls = FlashRLTransferUpdateInfo
+
+    def init_transfer_engine(self, init_info: FlashRLTransferInitInfo) -> None:
+        return None
+
+    def start_weight_update(self) -> None:
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class calls torch.accelerator.synchronize(), which has no accelerator on CPU.
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: FlashRLTransferUpdateInfo) -> None:
+        if update_info.path is not None:
+            from safetensors.torch import load_file
+
+            loaded = load_file(update_info.path)
+            missing = [name for name in update_info.names if name not in loaded]
+            if missing:
+                raise ValueError(f"{update_info.path} lacks tensor(s) {missing[:5]}")
+            weights = [(name, loaded[name]) for name in update_info.names]
+        else:
+            weights = list(zip(update_info.names, update_info.tensors))
+        with disable_mtp_completeness_check():
+            self.model.load_weights(weights)
+
+    def finish_weight_update(self) -> None:
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        return None
+
+
+class FlashRLWorkerExtension:
+    """Methods added to every vLLM worker by ``LLM(worker_extension_cls=...)``.
+
+    vLLM's workers already own ``update_weights``, ``reload_weights`` and friends, so every method
+    here carries the ``flashrl_`` prefix. Call them with ``llm.collective_rpc("flashrl_...")``.
+    """
+
+    def flashrl_worker_info(self) -> dict[str, Any]:
+        """Process id, device and weight-transfer backend of this worker (WeightSync picks its
+        transport from the pid: same process as the trainer means tensors can be passed directly)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return {
+            "pid": os.getpid(),
+            "device": str(getattr(self, "device", "")),
+            "transfer_engine": type(engine).__name__ if engine is not None else None,
+        }
+
+    def flashrl_pop_requant_stats(self) -> dict[str, float]:
+        """Seconds spent re-quantizing and layers re-quantized since the last call (then reset)."""
+        from flashrl.vllm_backend.quant_methods import pop_requant_stats
+
+        return pop_requant_stats()

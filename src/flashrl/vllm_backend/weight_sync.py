@@ -1,0 +1,163 @@
+"""`WeightSync`: push a trainer's parameters into a running ``vllm.LLM`` after every optimizer step.
+
+One `push` is one vLLM weight update (``start_weight_update`` -> one ``update_weights`` chunk per
+decoder layer -> ``finish_weight_update``) through the ``flashrl`` transfer backend, followed by
+``reset_prefix_cache``. Inside vLLM each layer is re-quantized with fresh scales as soon as its
+tensors arrive (layerwise reload), and the results are copied into the existing storages.
+
+Rules the push enforces, because vLLM's layerwise reload cannot recover from them:
+
+- tensors are sent in checkpoint (Hugging Face) names, one chunk per decoder layer
+  (`vllm.distributed.weight_transfer.base.layerwise_groups`), so a layer never waits in a buffer;
+- tensors vLLM fuses into one layer (q/k/v -> qkv_proj, gate/up -> gate_up_proj, weights and
+  biases alike) are sent together: a layer that received only some of them would be quantized
+  with uninitialized memory in the missing rows, so a push that lacks a sibling is refused
+  before anything is sent.
+
+Transport: when the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the tensors
+themselves are handed over; otherwise each chunk is written to a safetensors file in /dev/shm
+(or the temp dir) and its path is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from flashrl.vllm_backend.names import TRANSFER_BACKEND
+
+logger = logging.getLogger(__name__)
+
+FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Checkpoint module names that vLLM loads into one fused layer (with `output_partition_sizes`)."""
+
+TRANSPORTS = ("auto", "tensors", "file")
+
+
+def check_fused_complete(names: Iterable[str]) -> None:
+    """Raise ValueError when `names` holds part of a fused group (q_proj without k_proj and v_proj,
+    gate_proj without up_proj), naming what is missing."""
+    present = set(names)
+    for name in sorted(present):
+        parts = name.split(".")
+        if len(parts) < 2:
+            continue
+        for group in FUSED_GROUPS:
+            if parts[-2] not in group:
+                continue
+            siblings = [".".join([*parts[:-2], member, parts[-1]]) for member in group]
+            missing = [s for s in siblings if s not in present]
+            if missing:
+                raise ValueError(
+                    f"{name} is sent without {', '.join(missing)}: vLLM fuses {'/'.join(group)} into one layer "
+                    "and re-quantizes it only from all of its parts; send them together"
+                )
+
+
+def group_by_layer(items: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+    """Split (name, tensor) pairs into one chunk per decoder layer (plus embeddings before and the
+    final norm / head after), in vLLM's `layerwise_groups` order."""
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+
+    by_name = dict(items)
+    if len(by_name) != len(items):
+        raise ValueError("duplicate parameter names in the weights to push")
+    return [[(name, by_name[name]) for name in group] for group in layerwise_groups([n for n, _ in items])]
+
+
+class WeightSync:
+    """Pushes new weights into an ``LLM`` built with `engine_kwargs` (or the equivalent settings).
+
+    `transport`: ``auto`` (tensors for an in-process engine, files otherwise), ``tensors`` or
+    ``file``. `tmp_dir`: where chunk files go (default /dev/shm when it exists).
+    """
+
+    def __init__(self, llm: Any, transport: str = "auto", tmp_dir: str | None = None) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r} is invalid; allowed: {', '.join(TRANSPORTS)}")
+        self.llm = llm
+        backend = getattr(llm.llm_engine.vllm_config.weight_transfer_config, "backend", None)
+        if backend != TRANSFER_BACKEND:
+            raise ValueError(
+                f"this LLM was built with weight_transfer_config backend {backend!r}; WeightSync needs "
+                f"{TRANSFER_BACKEND!r}: build it with LLM(model, **flashrl.vllm_backend.engine_kwargs(...))"
+            )
+        try:
+            workers = llm.collective_rpc("flashrl_worker_info")
+        except Exception as err:
+            raise ValueError(
+                "the LLM's workers lack flashrl's methods; build it with "
+                "LLM(model, **flashrl.vllm_backend.engine_kwargs(...)) (worker_extension_cls)"
+            ) from err
+        in_process = all(w["pid"] == os.getpid() for w in workers)
+        if transport == "auto":
+            transport = "tensors" if in_process else "file"
+        elif transport == "tensors" and not in_process:
+            raise ValueError("transport='tensors' needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        self.transport = transport
+        self.tmp_dir = tmp_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.version = 0
+        llm.init_weight_transfer_engine({"init_info": {}})
+
+    @torch.no_grad()
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> dict[str, float]:
+        """Load `named_tensors` (checkpoint names, e.g. a trainer's ``named_parameters()``) into the
+        engine, re-quantizing every layer, then reset the prefix cache.
+
+        Returns seconds: ``transfer_s`` (sending and loading, re-quantization excluded),
+        ``requant_s`` (quantizing, summed over layers; max over workers), ``reset_cache_s`` and
+        ``total_s``; plus ``bytes``, ``tensors``, ``chunks`` and ``layers_requantized``.
+        A failure after the update started leaves the engine's weights undefined: push again.
+        """
+        from vllm.distributed.weight_transfer.base import materialize_full_tensor
+
+        items = [(name, materialize_full_tensor(t).detach()) for name, t in named_tensors]
+        if not items:
+            raise ValueError("nothing to push: no (name, tensor) pairs")
+        check_fused_complete(name for name, _ in items)
+        chunks = group_by_layer(items)
+        self.llm.collective_rpc("flashrl_pop_requant_stats")  # zero the counters
+        start = time.perf_counter()
+        self.llm.start_weight_update()
+        chunk_dir = tempfile.mkdtemp(prefix="flashrl-sync-", dir=self.tmp_dir) if self.transport == "file" else None
+        try:
+            for index, chunk in enumerate(chunks):
+                self.llm.update_weights({"update_info": self._payload(chunk, chunk_dir, index)})
+        finally:
+            if chunk_dir is not None:
+                shutil.rmtree(chunk_dir, ignore_errors=True)
+        self.version += 1
+        self.llm.finish_weight_update(weight_version=weight_version or str(self.version))
+        loaded = time.perf_counter()
+        self.llm.reset_prefix_cache()
+        done = time.perf_counter()
+        requant = self.llm.collective_rpc("flashrl_pop_requant_stats")
+        requant_s = max(r["requant_s"] for r in requant)
+        return {
+            "transfer_s": loaded - start - requant_s,
+            "requant_s": requant_s,
+            "reset_cache_s": done - loaded,
+            "total_s": done - start,
+            "bytes": float(sum(t.numel() * t.element_size() for _, t in items)),
+            "tensors": float(len(items)),
+            "chunks": float(len(chunks)),
+            "layers_requantized": float(max(r["layers_requantized"] for r in requant)),
+        }
+
+    def _payload(self, chunk: list[tuple[str, torch.Tensor]], chunk_dir: str | None, index: int) -> dict[str, Any]:
+        names = [name for name, _ in chunk]
+        if chunk_dir is None:
+            return {"names": names, "tensors": [t for _, t in chunk]}
+        from safetensors.torch import save_file
+
+        path = os.path.join(chunk_dir, f"chunk-{index:05d}.safetensors")
+        # clone() breaks storage sharing (tied or sliced parameters), which safetensors refuses.
+        save_file({name: t.to("cpu").contiguous().clone() for name, t in chunk}, path)
+        return {"names": names, "path": path}

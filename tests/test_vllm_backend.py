@@ -1,0 +1,292 @@
+"""vLLM backend: quantized layers equal `QuantLinear` bit for bit, per-step reload equals a fresh
+load, `engine_kwargs` / `WeightSync` / `VLLMBackend` behave as documented.
+
+Every engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on a tiny random Qwen3 checkpoint
+(head_dim 32, as vLLM's CPU attention wants) with `enforce_eager=True` to keep the suite short; the
+compiled and multi-process paths are covered by tests/test_vllm_processes.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+
+from flashrl.vllm_backend.testing import TEST_ENV  # noqa: E402
+
+for _key, _value in TEST_ENV.items():
+    os.environ.setdefault(_key, _value)
+
+from flashrl.config import RolloutConfig  # noqa: E402
+from flashrl.engine.sampler import SamplingParams  # noqa: E402
+from flashrl.quant.linear import QuantLinear  # noqa: E402
+from flashrl.rollout import Rollout, RolloutBackend  # noqa: E402
+from flashrl.vllm_backend import METHOD_NAMES, WeightSync, engine_kwargs  # noqa: E402
+from flashrl.vllm_backend.testing import load_state_dict, save_perturbed_copy, save_tiny_vllm_model  # noqa: E402
+from flashrl.vllm_backend.weight_sync import check_fused_complete  # noqa: E402
+
+SCHEMES = ("bf16", "int8", "fp8", "fp8_channel", "fp8_block")
+QUANT_SCHEMES = SCHEMES[1:]
+PROMPTS = ["Hello world", "The quick brown fox", "1+1=", "abc"]
+LLM_ARGS = dict(dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0, max_num_seqs=16)
+
+# vLLM layer -> the checkpoint tensors it fuses, in order (Qwen3).
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# fixtures
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A sharp tiny model (initializer_range 0.2: logits with real spread) and a perturbed copy."""
+    root = tmp_path_factory.mktemp("vllm_ckpt")
+    base = save_tiny_vllm_model(root / "base", family="qwen3", seed=0, initializer_range=0.2)
+    perturbed = save_perturbed_copy(base, root / "perturbed", scale=0.2, seed=1)
+    return {"base": base, "perturbed": perturbed,
+            "base_sd": load_state_dict(base), "perturbed_sd": load_state_dict(perturbed)}
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def model_of(llm):
+    """The vLLM model object of an in-process engine."""
+    return llm.apply_model(lambda model: model)[0]
+
+
+def greedy_and_sampled(llm):
+    """Greedy and seeded T=0.7 / top-p 0.9 samples of PROMPTS: token ids and processed logprobs."""
+    results = []
+    for params in (
+        vllm.SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True),
+        vllm.SamplingParams(temperature=0.7, top_p=0.9, n=2, seed=3, max_tokens=12, logprobs=0, ignore_eos=True),
+    ):
+        for out in llm.generate(PROMPTS, params, use_tqdm=False):
+            for c in out.outputs:
+                results.append((list(c.token_ids), [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]))
+    return results
+
+
+def layer_tensors(llm) -> dict[str, torch.Tensor]:
+    """Clones of every parameter of the decoder layers' linear layers (codes, scales)."""
+    model = model_of(llm)
+    return {name: p.detach().clone() for name, p in model.model.layers.named_parameters()
+            if "proj" in name}
+
+
+def expected_quantlinear(state_dict, layer: int, vllm_name: str, scheme: str) -> QuantLinear:
+    """`QuantLinear.from_linear` of the fused bf16 weight a vLLM layer receives."""
+    parts = [state_dict[f"model.layers.{layer}.{name}.weight"].to(torch.bfloat16) for name in FUSED[vllm_name]]
+    fused = torch.cat(parts)
+    linear = torch.nn.Linear(fused.shape[1], fused.shape[0], bias=False, dtype=torch.bfloat16)
+    linear.weight.data.copy_(fused)
+    return QuantLinear.from_linear(linear, scheme, shard_sizes=[p.shape[0] for p in parts])
+
+
+def assert_layers_match(llm, state_dict, scheme: str) -> None:
+    model = model_of(llm)
+    for i, decoder_layer in enumerate(model.model.layers):
+        for vllm_name in FUSED:
+            layer = decoder_layer.get_submodule(vllm_name)
+            expected = expected_quantlinear(state_dict, i, vllm_name, scheme)
+            where = f"layers.{i}.{vllm_name} ({scheme})"
+            assert type(layer.quant_method).__name__ == "FlashRLLinearMethod", where
+            assert torch.equal(layer.weight.view(torch.uint8), expected.weight.view(torch.uint8)), f"codes differ: {where}"
+            assert torch.equal(layer.weight_scale, expected.weight_scale), f"scales differ: {where}"
+            row_scale = getattr(layer, "row_scale", None)
+            assert (row_scale is None) == (expected.row_scale is None), where
+            if row_scale is not None:
+                assert torch.equal(row_scale, expected.row_scale), where
+            x = torch.randn(7, layer.input_size_per_partition, generator=torch.Generator().manual_seed(i),
+                            dtype=torch.bfloat16)
+            assert torch.equal(layer.quant_method.apply(layer, x), expected(x)), f"forward differs: {where}"
+
+
+@pytest.fixture(scope="module", params=SCHEMES)
+def engine(request, checkpoints):
+    """An engine per scheme started from the perturbed checkpoint, with its fresh-load outputs and
+    layer tensors recorded before any test touches it."""
+    scheme = request.param
+    llm = vllm.LLM(str(checkpoints["perturbed"]), **LLM_ARGS, **engine_kwargs(scheme))
+    fresh = {"outputs": greedy_and_sampled(llm), "tensors": layer_tensors(llm)}
+    yield {"scheme": scheme, "llm": llm, "fresh": fresh, "sync": WeightSync(llm)}
+    shutdown(llm)
+
+
+# ------------------------------------------------------------------------------------------------
+# engines: quantized layers, reload exactness
+# ------------------------------------------------------------------------------------------------
+
+
+def test_layers_equal_quantlinear_bit_for_bit(engine, checkpoints):
+    """Every quantized vLLM layer holds exactly the codes and scales of
+    `QuantLinear.from_linear(fused, scheme, shard_sizes=...)` and computes exactly its forward;
+    embeddings and LM head stay unquantized."""
+    scheme, llm = engine["scheme"], engine["llm"]
+    model = model_of(llm)
+    assert type(model.model.embed_tokens.quant_method).__name__ == "UnquantizedEmbeddingMethod"
+    assert type(model.lm_head.quant_method).__name__ == "UnquantizedEmbeddingMethod"
+    assert model.model.norm.weight.dtype == torch.bfloat16
+    if scheme == "bf16":
+        assert llm.llm_engine.vllm_config.model_config.quantization is None
+        return
+    assert llm.llm_engine.vllm_config.model_config.quantization == METHOD_NAMES[scheme]
+    assert_layers_match(llm, checkpoints["perturbed_sd"], scheme)
+
+
+def test_reload_equals_fresh_load(engine, checkpoints):
+    """Push the base weights, then the perturbed ones back: greedy and sampled tokens and logprobs,
+    and every code and scale, equal the engine's fresh load of the perturbed checkpoint; the
+    kernel tensors keep their storage (in-place reload)."""
+    scheme, llm, sync, fresh = engine["scheme"], engine["llm"], engine["sync"], engine["fresh"]
+    ptrs = {name: p.data_ptr() for name, p in model_of(llm).model.layers.named_parameters() if "proj" in name}
+
+    timings = sync.push(checkpoints["base_sd"].items())
+    assert timings["chunks"] == 2 + 2  # embeddings, 2 decoder layers, final norm
+    assert timings["layers_requantized"] == (0 if scheme == "bf16" else 8)
+    assert timings["requant_s"] >= 0 and timings["transfer_s"] > 0
+    base_outputs = greedy_and_sampled(llm)  # also fills the prefix cache with base-weight KV
+    assert base_outputs != fresh["outputs"], "the base weights should change the outputs"
+    if scheme != "bf16":
+        assert_layers_match(llm, checkpoints["base_sd"], scheme)
+
+    sync.push(checkpoints["perturbed_sd"].items())
+    assert greedy_and_sampled(llm) == fresh["outputs"]
+    tensors = layer_tensors(llm)
+    assert tensors.keys() == fresh["tensors"].keys()
+    for name, tensor in tensors.items():
+        assert torch.equal(tensor.view(torch.uint8), fresh["tensors"][name].view(torch.uint8)), name
+    assert {name: p.data_ptr() for name, p in model_of(llm).model.layers.named_parameters() if "proj" in name} == ptrs
+
+
+# ------------------------------------------------------------------------------------------------
+# VLLMBackend
+# ------------------------------------------------------------------------------------------------
+
+
+def test_backend_implements_rollout_protocol(checkpoints):
+    from flashrl.vllm_backend import VLLMBackend
+
+    with VLLMBackend(str(checkpoints["perturbed"]), "int8", dtype=torch.bfloat16, seed=0,
+                     enforce_eager=True, max_model_len=128, max_num_seqs=16) as backend:
+        assert isinstance(backend, RolloutBackend)
+        tokenizer = backend.llm.get_tokenizer()
+        ids = tokenizer("1+1=")["input_ids"]
+        params = SamplingParams(temperature=0.7, top_p=0.9, n=3, max_tokens=8, seed=5, raw_logprobs=True)
+        rollouts = backend.generate(["Hello world", ids], params)
+        assert len(rollouts) == 6 and all(isinstance(r, Rollout) for r in rollouts)
+        assert [(r.prompt_index, r.sample_index) for r in rollouts] == [(p, s) for p in range(2) for s in range(3)]
+        assert rollouts[3].prompt_ids == ids
+        for r in rollouts:
+            assert len(r.logprobs) == len(r.response_ids) == len(r.raw_logprobs) >= 1
+            assert r.finish_reason in ("stop", "length")
+            assert all(lp <= 0 for lp in r.logprobs) and all(lp <= 0 for lp in r.raw_logprobs)
+            if r.finish_reason == "stop":
+                assert r.response_ids[-1] == tokenizer.eos_token_id  # the stop token is included
+        assert rollouts[0].logprobs != rollouts[0].raw_logprobs  # temperature 0.7: processed != raw
+
+        greedy = backend.generate(["abc"], SamplingParams(temperature=0, n=2, max_tokens=6, ignore_eos=True))
+        assert len(greedy) == 2 and greedy[0].response_ids == greedy[1].response_ids
+        assert len(greedy[0].response_ids) == 6 and greedy[0].finish_reason == "length"
+
+        timings = backend.update_weights(checkpoints["base_sd"].items())
+        assert {"transfer_s", "requant_s", "reset_cache_s", "total_s"} <= timings.keys()
+        assert backend.generate(["abc"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].response_ids \
+            != greedy[0].response_ids
+        stats = backend.stats()
+        assert stats["rollouts"] == 9 and stats["weight_updates"] == 1 and stats["tokens_generated"] > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# configuration and validation (no engine)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_engine_kwargs_per_scheme():
+    for scheme in QUANT_SCHEMES:
+        kwargs = engine_kwargs(scheme)
+        assert kwargs["quantization"] == f"flashrl_{scheme}"
+        assert kwargs["logprobs_mode"] == "processed_logprobs"
+        assert kwargs["weight_transfer_config"] == {"backend": "flashrl"}
+        assert kwargs["worker_extension_cls"] == "flashrl.vllm_backend.transfer.FlashRLWorkerExtension"
+        assert "hf_overrides" not in kwargs and "kv_cache_dtype" not in kwargs
+    assert "quantization" not in engine_kwargs("bf16")
+    assert engine_kwargs(RolloutConfig(logprobs_mode="raw"))["logprobs_mode"] == "raw_logprobs"
+
+
+def test_engine_kwargs_reads_flashrl_config(monkeypatch, tmp_path):
+    monkeypatch.delenv("FLASHRL_CONFIG", raising=False)
+    monkeypatch.delenv("FLASHRL_LMHEAD_FP32", raising=False)
+    assert "quantization" not in engine_kwargs()
+    monkeypatch.setenv("FLASHRL_CONFIG", "fp8_block")
+    assert engine_kwargs()["quantization"] == "flashrl_fp8_block"
+    assert engine_kwargs("int8")["quantization"] == "flashrl_int8"  # an explicit scheme wins
+    path = RolloutConfig(quant="int8", skip=("lm_head", "*.down_proj")).to_yaml(tmp_path / "flashrl.yaml")
+    monkeypatch.setenv("FLASHRL_CONFIG", str(path))
+    assert engine_kwargs()["hf_overrides"] == {
+        "quantization_config": {"quant_method": "flashrl_int8", "skip": ["lm_head", "*.down_proj"]}}
+
+
+def test_engine_kwargs_rejects_what_vllm_cannot_do():
+    with pytest.raises(ValueError, match="lm_head_fp32=True is not supported by the vLLM backend"):
+        engine_kwargs(RolloutConfig(quant="int8", lm_head_fp32=True))
+    with pytest.raises(ValueError, match="kv_scale='calibrated' is not supported by the vLLM backend yet"):
+        engine_kwargs(RolloutConfig(kv_cache_dtype="fp8"))
+    assert engine_kwargs(RolloutConfig(kv_cache_dtype="fp8", kv_scale=1.0))["kv_cache_dtype"] == "fp8"
+    with pytest.raises(ValueError, match="scheme='int4' is invalid; allowed: bf16, int8"):
+        engine_kwargs("int4")
+
+
+def test_skip_patterns_on_fused_layers():
+    from flashrl.vllm_backend.quant_methods import FlashRLInt8Config
+
+    config = FlashRLInt8Config.from_config({"quant_method": "flashrl_int8", "skip": ["*.down_proj", "*.q_proj"]})
+    config.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    assert config.is_skipped("model.layers.0.mlp.down_proj")
+    assert not config.is_skipped("model.layers.0.mlp.gate_up_proj")
+    with pytest.raises(ValueError, match="match only .*q_proj.* of the tensors vLLM fuses into model.layers.0.self_attn.qkv_proj"):
+        config.is_skipped("model.layers.0.self_attn.qkv_proj")
+    config = FlashRLInt8Config(skip=["*.q_proj", "*.k_proj", "*.v_proj"])
+    config.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    assert config.is_skipped("model.layers.0.self_attn.qkv_proj")
+    with pytest.raises(ValueError, match="unknown key"):
+        FlashRLInt8Config.from_config({"quant_method": "flashrl_int8", "skipp": []})
+    with pytest.raises(ValueError, match="expected 'flashrl_int8'"):
+        FlashRLInt8Config.from_config({"quant_method": "flashrl_fp8"})
+
+
+def test_weight_sync_refuses_partial_fused_groups():
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"] + ["model.layers.0.mlp.gate_proj.weight",
+                                                                              "model.layers.0.mlp.up_proj.weight"]
+    check_fused_complete(names)
+    with pytest.raises(ValueError, match=r"q_proj.weight is sent without .*k_proj.weight, .*v_proj.weight"):
+        check_fused_complete(["model.layers.0.self_attn.q_proj.weight"])
+    with pytest.raises(ValueError, match=r"up_proj.bias is sent without .*gate_proj.bias"):
+        check_fused_complete(names + ["model.layers.0.mlp.up_proj.bias"])
+
+
+def test_weight_sync_needs_the_flashrl_transfer_backend():
+    class FakeLLM:
+        class llm_engine:  # noqa: N801
+            class vllm_config:  # noqa: N801
+                weight_transfer_config = None
+
+    with pytest.raises(ValueError, match="WeightSync needs 'flashrl'"):
+        WeightSync(FakeLLM())
+    with pytest.raises(ValueError, match="transport='pipe' is invalid"):
+        WeightSync(FakeLLM(), transport="pipe")
