@@ -2,7 +2,7 @@
 
     python benchmarks/bench_correction.py                       # 512 x 8192, prints a table
     python benchmarks/bench_correction.py --threads 2,1         # once per intra-op thread count
-    python benchmarks/bench_correction.py --batch 64 --tokens 1024 --repeats 3
+    python benchmarks/bench_correction.py --batch 64 --tokens 1024 --repeat 3
 
 Inputs are synthetic: ragged response lengths (uniform in [1, tokens]), rollout logprobs drawn from
 -Exponential(1), trainer logprobs = rollout + N(0, sigma), capped at 0. The cost does not depend on the
@@ -12,17 +12,13 @@ values, only on the shape and the config. Writes benchmarks/results/correction.j
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import statistics
-import subprocess
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from _common import device_name, format_table, time_fn, write_json
 from flashrl.correction import CorrectionConfig, compute_correction, mismatch_metrics, ppo_clip_loss
 
 ALL_OPTIONS = {
@@ -49,7 +45,7 @@ CONFIGS: dict[str, CorrectionConfig] = {
     "token_tis + all 11 rejection options": CorrectionConfig(
         rejection=tuple(ALL_OPTIONS), rejection_thresholds=tuple(ALL_OPTIONS.values())
     ),
-    "bypass (metrics-only weights) + token_k1": CorrectionConfig(mode="bypass", rejection=("token_k1",)),
+    "bypass + token_k1": CorrectionConfig(mode="bypass", rejection=("token_k1",)),
 }
 
 
@@ -62,56 +58,41 @@ def make_inputs(batch: int, tokens: int, sigma: float, seed: int) -> tuple[torch
     return train, roll, mask
 
 
-def time_it(fn: Callable[[], object], repeats: int) -> list[float]:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=512, help="sequences per batch")
     parser.add_argument("--tokens", type=int, default=8192, help="padded response length")
     parser.add_argument("--sigma", type=float, default=0.2, help="std of trainer - rollout logprob noise")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per row (after one warm-up)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed calls per row (after 2 warm-up calls)")
+    parser.add_argument("--threads", default=str(torch.get_num_threads()), help="comma-separated thread counts")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--threads", default=str(torch.get_num_threads()), help="comma-separated torch intra-op thread counts"
-    )
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "correction.json")
+    parser.add_argument("--out", default="benchmarks/results/correction.json")
     args = parser.parse_args(argv)
 
+    cpu = torch.device("cpu")
+    device = device_name(cpu)  # before the loop changes the thread count it reports
+    load_before = os.getloadavg()[0]
     train, roll, mask = make_inputs(args.batch, args.tokens, args.sigma, args.seed)
-    positions, valid = train.numel(), int(mask.sum())
+    positions = train.numel()
     corr = compute_correction(train, roll, mask)
     advantages = torch.randn(args.batch)
     rows = []
 
     def record(name: str, fn: Callable[[], object]) -> None:
-        times = time_it(fn, args.repeats)
-        median = statistics.median(times)
+        calls = 2 + args.repeat  # time_fn's warm-up calls + timed calls
+        cpu_start = time.process_time()
+        seconds = time_fn(fn, cpu, repeat=args.repeat)
+        cpu_seconds = (time.process_time() - cpu_start) / calls
         rows.append(
             {
-                "name": name,
+                "what": name,
                 "threads": torch.get_num_threads(),
-                "median_ms": round(median * 1e3, 1),
-                "min_ms": round(min(times) * 1e3, 1),
-                "mpositions_per_s": round(positions / median / 1e6, 1),
+                "wall_ms": round(seconds * 1e3, 1),
+                "cpu_ms": round(cpu_seconds * 1e3, 1),
+                "Mpos_per_s": round(positions / seconds / 1e6, 1),
             }
         )
-        print(f"{name:<62} {torch.get_num_threads()} threads {median * 1e3:8.1f} ms", flush=True)
+        print(f"{name:<50} {torch.get_num_threads()} threads {seconds * 1e3:8.1f} ms", flush=True)
 
     def loss_fwd_bwd() -> None:
         lp = train.clone().requires_grad_(True)
@@ -125,34 +106,29 @@ def main(argv: list[str] | None = None) -> int:
         record("mismatch_metrics only", lambda: mismatch_metrics(train, roll, mask))
         record("ppo_clip_loss forward + backward", loss_fwd_bwd)
 
-    kl = corr.metrics["kl"]
-    print(f"\n{args.batch} x {args.tokens} = {positions:,} positions, {valid:,} valid tokens, kl = {kl:.4f}")
-    print(f"CPU: {cpu_model()}, torch {torch.__version__}\n")
-    print(f"| {'what':<62} | threads | median ms | min ms | M positions/s |")
-    print(f"|{'-' * 64}|---------|-----------|--------|---------------|")
-    for r in rows:
-        cells = (f"{r['threads']:>7}", f"{r['median_ms']:>9}", f"{r['min_ms']:>6}", f"{r['mpositions_per_s']:>13}")
-        print(f"| {r['name']:<62} | " + " | ".join(cells) + " |")
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    print(f"\n{args.batch} x {args.tokens} = {positions:,} positions, {int(mask.sum()):,} valid tokens, "
+          f"kl = {corr.metrics['kl']:.4f}")  # fmt: skip
+    print(f"{device}, torch {torch.__version__}, 1-min load average before/after {load[0]}/{load[1]}")
+    print("wall_ms: median wall time per call; cpu_ms: process CPU time per call, all threads\n")
+    print(format_table(rows, ["what", "threads", "wall_ms", "cpu_ms", "Mpos_per_s"]))
+    command = (
+        f"python benchmarks/bench_correction.py --batch {args.batch} --tokens {args.tokens} --sigma {args.sigma} "
+        f"--repeat {args.repeat} --threads {args.threads}"
+    )
+    path = write_json(args.out, {
         "benchmark": "correction",
-        "command": "python benchmarks/bench_correction.py "
-        + f"--batch {args.batch} --tokens {args.tokens} --sigma {args.sigma} --repeats {args.repeats} "
-        + f"--threads {args.threads}",
-        "machine": {
-            "cpu": cpu_model(),
-            "logical_cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
+        "command": command,
+        "device": device,
+        "logical_cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "load_avg_1min_before_after": load,
         "shape": [args.batch, args.tokens],
-        "valid_tokens": valid,
-        "mismatch_kl": kl,
+        "valid_tokens": int(mask.sum()),
+        "mismatch_kl": corr.metrics["kl"],
         "rows": rows,
-    }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    })  # fmt: skip
+    print(f"\nwrote {path}")
     return 0
 
 
