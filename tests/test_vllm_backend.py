@@ -9,7 +9,6 @@ compiled and multi-process paths are covered by tests/test_vllm_processes.py.
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import torch
@@ -17,10 +16,9 @@ import torch
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
-from flashrl.vllm_backend.testing import TEST_ENV  # noqa: E402
+from flashrl.vllm_backend.testing import apply_test_env  # noqa: E402
 
-for _key, _value in TEST_ENV.items():
-    os.environ.setdefault(_key, _value)
+apply_test_env()  # in-process engines, 1 GiB KV cache, no FLASHRL_CONFIG from the caller
 
 from flashrl.config import RolloutConfig  # noqa: E402
 from flashrl.engine.sampler import SamplingParams  # noqa: E402

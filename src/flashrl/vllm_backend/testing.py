@@ -60,6 +60,17 @@ TEST_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"
 tensors are reachable), 1 GiB of KV cache."""
 
 
+def apply_test_env() -> None:
+    """Set `TEST_ENV` (keeping values already set) and drop ``FLASHRL_CONFIG`` /
+    ``FLASHRL_LMHEAD_FP32``, which would otherwise switch the tests' engines to another scheme."""
+    import os
+
+    for key, value in TEST_ENV.items():
+        os.environ.setdefault(key, value)
+    for key in ("FLASHRL_CONFIG", "FLASHRL_LMHEAD_FP32"):
+        os.environ.pop(key, None)
+
+
 def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The fp32 ``named_parameters()`` of the `transformers` checkpoint at `path` (what a trainer sends)."""
     import transformers

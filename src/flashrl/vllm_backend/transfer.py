@@ -108,6 +108,15 @@ class FlashRLWorkerExtension:
             "transfer_engine": type(engine).__name__ if engine is not None else None,
         }
 
+    def flashrl_linear_methods(self) -> dict[str, str]:
+        """``{module name: quantization method class}`` of every linear layer of the model, e.g.
+        ``{"model.layers.0.mlp.down_proj": "UnquantizedLinearMethod", ...}``: which layers run quantized."""
+        from vllm.model_executor.layers.linear import LinearBase
+
+        model = self.model_runner.get_model()
+        return {name: type(module.quant_method).__name__ for name, module in model.named_modules()
+                if isinstance(module, LinearBase)}
+
     def flashrl_pop_requant_stats(self) -> dict[str, float]:
         """Seconds spent re-quantizing and layers re-quantized since the last call (then reset)."""
         from flashrl.vllm_backend.quant_methods import pop_requant_stats
