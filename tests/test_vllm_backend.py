@@ -88,11 +88,15 @@ def layer_tensors(llm) -> dict[str, torch.Tensor]:
 
 
 def expected_quantlinear(state_dict, layer: int, vllm_name: str, scheme: str) -> QuantLinear:
-    """`QuantLinear.from_linear` of the fused bf16 weight a vLLM layer receives."""
-    parts = [state_dict[f"model.layers.{layer}.{name}.weight"].to(torch.bfloat16) for name in FUSED[vllm_name]]
+    """`QuantLinear.from_linear` of the fused bf16 weight (and bias) a vLLM layer receives."""
+    names = [f"model.layers.{layer}.{name}" for name in FUSED[vllm_name]]
+    parts = [state_dict[f"{name}.weight"].to(torch.bfloat16) for name in names]
     fused = torch.cat(parts)
-    linear = torch.nn.Linear(fused.shape[1], fused.shape[0], bias=False, dtype=torch.bfloat16)
+    has_bias = f"{names[0]}.bias" in state_dict
+    linear = torch.nn.Linear(fused.shape[1], fused.shape[0], bias=has_bias, dtype=torch.bfloat16)
     linear.weight.data.copy_(fused)
+    if has_bias:
+        linear.bias.data.copy_(torch.cat([state_dict[f"{name}.bias"] for name in names]))
     return QuantLinear.from_linear(linear, scheme, shard_sizes=[p.shape[0] for p in parts])
 
 
@@ -110,9 +114,13 @@ def assert_layers_match(llm, state_dict, scheme: str) -> None:
             assert (row_scale is None) == (expected.row_scale is None), where
             if row_scale is not None:
                 assert torch.equal(row_scale, expected.row_scale), where
+            assert (layer.bias is None) == (expected.bias is None), where
+            if layer.bias is not None:
+                assert torch.equal(layer.bias, expected.bias), f"bias differs: {where}"
             x = torch.randn(7, layer.input_size_per_partition, generator=torch.Generator().manual_seed(i),
                             dtype=torch.bfloat16)
-            assert torch.equal(layer.quant_method.apply(layer, x), expected(x)), f"forward differs: {where}"
+            y = layer.quant_method.apply(layer, x, layer.bias)
+            assert torch.equal(y, expected(x)), f"forward differs: {where}"
 
 
 @pytest.fixture(scope="module", params=SCHEMES)
@@ -172,6 +180,26 @@ def test_reload_equals_fresh_load(engine, checkpoints):
     assert {name: p.data_ptr() for name, p in model_of(llm).model.layers.named_parameters() if "proj" in name} == ptrs
 
 
+def test_qkv_bias_model_layers_and_reload(tmp_path):
+    """Qwen2 (q/k/v bias; hidden 128 for head_dim 32), int8: fused biases equal QuantLinear's and
+    the quantized forward adds them exactly; a reload restores the fresh load exactly."""
+    base = save_tiny_vllm_model(tmp_path / "base", family="qwen2", seed=0, initializer_range=0.2,
+                                hidden_size=128, intermediate_size=256)
+    perturbed = save_perturbed_copy(base, tmp_path / "perturbed", scale=0.2, seed=1)
+    llm = vllm.LLM(str(perturbed), **LLM_ARGS, **engine_kwargs("int8"))
+    try:
+        fresh = greedy_and_sampled(llm)
+        assert_layers_match(llm, load_state_dict(perturbed), "int8")
+        sync = WeightSync(llm)
+        sync.push(load_state_dict(base).items())
+        assert_layers_match(llm, load_state_dict(base), "int8")
+        assert greedy_and_sampled(llm) != fresh
+        sync.push(load_state_dict(perturbed).items())
+        assert greedy_and_sampled(llm) == fresh
+    finally:
+        shutdown(llm)
+
+
 # ------------------------------------------------------------------------------------------------
 # VLLMBackend
 # ------------------------------------------------------------------------------------------------
@@ -198,9 +226,13 @@ def test_backend_implements_rollout_protocol(checkpoints):
                 assert r.response_ids[-1] == tokenizer.eos_token_id  # the stop token is included
         assert rollouts[0].logprobs != rollouts[0].raw_logprobs  # temperature 0.7: processed != raw
 
-        greedy = backend.generate(["abc"], SamplingParams(temperature=0, n=2, max_tokens=6, ignore_eos=True))
+        greedy = backend.generate(["abc"], SamplingParams(temperature=0, n=2, max_tokens=6, ignore_eos=True,
+                                                          raw_logprobs=True))
         assert len(greedy) == 2 and greedy[0].response_ids == greedy[1].response_ids
         assert len(greedy[0].response_ids) == 6 and greedy[0].finish_reason == "length"
+        # Greedy: processed = raw (no temperature); the raw pass (one bf16 prefill) aligns token by token.
+        diff = max(abs(a - b) for a, b in zip(greedy[0].logprobs, greedy[0].raw_logprobs))
+        assert diff < 0.05, (greedy[0].logprobs, greedy[0].raw_logprobs)
 
         timings = backend.update_weights(checkpoints["base_sd"].items())
         assert {"transfer_s", "requant_s", "reset_cache_s", "total_s"} <= timings.keys()
