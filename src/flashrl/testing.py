@@ -68,10 +68,32 @@ def _set_rope_scaling(config, rope_scaling: dict, rope_theta: float | None) -> N
         config.rope_scaling = rope_scaling
 
 
+CHAR_VOCAB = "0123456789+-*/=?#() abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n.,:;!'\""
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+"""Token ids 0..3 of the character tokenizer, matching the tiny configs' pad/bos/eos ids 0/1/2."""
+
+
+def char_tokenizer():
+    """A character-level `transformers` tokenizer (one token per character), built locally."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHAR_VOCAB:
+        vocab.setdefault(ch, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
 def save_tiny_model(
-    path: str | Path, family: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+    path: str | Path, family: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.float32,
+    tokenizer: bool = False, **overrides: Any,
 ) -> Path:
-    """Build a random `family` model with `transformers`, save it (safetensors + config.json) to `path`."""
+    """Build a random `family` model with `transformers`, save it (safetensors + config.json) to
+    `path`; with `tokenizer`, also save the character tokenizer (the vocabulary must hold it)."""
     import transformers
 
     path = Path(path)
@@ -86,4 +108,9 @@ def save_tiny_model(
             if name.endswith(".bias"):
                 p.copy_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
+    if tokenizer:
+        tok = char_tokenizer()
+        if len(tok) > config.vocab_size:
+            raise ValueError(f"vocab_size={config.vocab_size} is smaller than the character tokenizer ({len(tok)})")
+        tok.save_pretrained(path)
     return path

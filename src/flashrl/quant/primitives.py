@@ -142,16 +142,23 @@ def _quantize_chunked(
     n, k = x.shape
     out = torch.empty(n, k, dtype=code_dtype, device=x.device) if out is None else out
     k_pad = math.ceil(k / col_align) * col_align
+    n_pad = math.ceil(n / row_align) * row_align
     budget = CHUNK_ELEMENTS.get(x.device.type, CHUNK_ELEMENTS["cuda"])
+    if n_pad * k_pad <= budget and (n_pad, k_pad) == (n, k):  # one chunk, no padding: no workspace
+        chunk = x.to(torch.float32, copy=True)
+        scale = scale_chunk_(chunk, slice(0, n))
+        if check_finite:
+            raise_if_not_finite(x, scale, name)
+        return _encode(chunk, code_dtype, out)
     step = max(row_align, budget // max(k_pad, 1) // row_align * row_align)
-    workspace = torch.zeros(min(step, math.ceil(n / row_align) * row_align), k_pad, dtype=torch.float32, device=x.device)
+    workspace = torch.empty(min(step, n_pad), k_pad, dtype=torch.float32, device=x.device)
     for start in range(0, n, step):
         rows = slice(start, min(start + step, n))
         count = rows.stop - rows.start
         chunk = workspace[: math.ceil(count / row_align) * row_align]
         chunk[:count, :k].copy_(x[rows])
-        if chunk.shape[0] > count:
-            chunk[count:].zero_()
+        chunk[:count, k:].zero_()
+        chunk[count:].zero_()
         scale = scale_chunk_(chunk, rows)
         if check_finite:
             raise_if_not_finite(x, scale, name)

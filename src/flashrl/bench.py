@@ -1,0 +1,211 @@
+"""`flashrl bench`: rollout throughput per precision, measured fairly (fixed output length, EOS ignored).
+
+For each scheme the same prompts are generated with the same seed; the table reports output tokens/s
+and its ratio to the first scheme (bf16 when listed first), time to first token (the prefill of the
+batch), weight sync (transfer) and requantization time for a full set of new weights, weight and KV
+memory, peak memory, and the memory-bandwidth floor of a decode step (weights + KV read once at the
+measured copy bandwidth). `--random-weights` builds a model of real dimensions with random weights,
+so GPU throughput can be measured without a checkpoint; `--hf` adds `transformers` generate.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashrl.engine.engine import Engine, peak_memory_bytes, resolve_dtype
+from flashrl.engine.sampler import SamplingParams
+from flashrl.quant.schemes import parse_scheme_list
+from flashrl.utils import device_name, format_table, synchronize
+
+# Real model dimensions (from the public config.json files) for `--random-weights NAME`.
+RANDOM_CONFIGS: dict[str, dict] = {
+    "tiny-bench": dict(architectures=["Qwen2ForCausalLM"], hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=4, vocab_size=8192, tie_word_embeddings=False,
+                       rope_theta=1000000.0, max_position_embeddings=4096),
+    "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         rope_theta=1000000.0, max_position_embeddings=32768),
+    "qwen2.5-1.5b": dict(architectures=["Qwen2ForCausalLM"], hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         rope_theta=1000000.0, max_position_embeddings=32768),
+    "qwen2.5-7b": dict(architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+                       rope_theta=1000000.0, max_position_embeddings=32768),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                     rope_theta=1000000.0, max_position_embeddings=40960),
+    "llama3.1-8b": dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                        rope_theta=500000.0, max_position_embeddings=131072,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}),
+}
+_COMMON = dict(rms_norm_eps=1e-6, hidden_act="silu", bos_token_id=1, eos_token_id=2)
+
+
+@dataclass
+class BenchConfig:
+    model: str | None = None
+    random_weights: str | None = None
+    quant: str = "bf16,int8,fp8,fp8_channel"
+    batch: int = 16
+    prompt_len: int = 64
+    output_len: int = 128
+    device: str | None = None
+    dtype: str = "bf16"
+    seed: int = 0
+    hf: bool = False
+    out: str | None = "bench.json"
+
+
+def random_model_dir(name_or_path: str, root: Path) -> Path:
+    """A model directory holding only a config.json of the named dimensions (or the given file)."""
+    if name_or_path in RANDOM_CONFIGS:
+        raw = {**_COMMON, **RANDOM_CONFIGS[name_or_path]}
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ValueError(f"--random-weights {name_or_path!r}: not a config.json file nor one of {', '.join(RANDOM_CONFIGS)}")
+        raw = json.loads(path.read_text())
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(raw))
+    return root
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> float:
+    """Measured device copy bandwidth in bytes/s (bytes read + written)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    synchronize(device)
+    return 2 * nbytes * 5 / (time.perf_counter() - start)
+
+
+def _new_weights(engine: Engine, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """A full set of fresh high-precision weights in HF naming (what a trainer would push)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for name in sorted(engine.weights.expected):
+        shape = engine.weights._expected_shape(engine.weights.resolve(name)[0])
+        tensor = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=gen) * 0.02
+        out.append((name, tensor.to(engine.device, engine.dtype)))
+    return out
+
+
+def _bench_engine(model_dir: Path, scheme: str, cfg: BenchConfig, random: bool, prompts: list[list[int]]) -> dict:
+    device = torch.device(cfg.device) if cfg.device else None
+    max_len = cfg.prompt_len + cfg.output_len
+    engine = Engine(model_dir, quant=scheme, dtype=cfg.dtype, device=device, max_batch=cfg.batch, max_len=max_len,
+                    progress=False, load_weights=not random)
+    if random:
+        engine.init_random_weights_(seed=cfg.seed)
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    warm = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=cfg.seed)
+    engine.generate(prompts[: min(4, len(prompts))], warm)
+    params = SamplingParams(temperature=1.0, max_tokens=cfg.output_len, ignore_eos=True, seed=cfg.seed)
+    before = engine.stats()
+    synchronize(engine.device)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    synchronize(engine.device)
+    elapsed = time.perf_counter() - start
+    after = engine.stats()
+    tokens = sum(len(o.response_ids) for o in outs)
+    new_weights = _new_weights(engine, cfg.seed + 1)
+    sync = engine.update_weights(new_weights)
+    del new_weights
+    kv_bytes = after["kv_cache_bytes"]
+    return dict(
+        scheme=scheme,
+        tokens_per_s=tokens / elapsed,
+        ttft_s=after["prefill_s"] - before["prefill_s"],
+        decode_s=after["decode_s"] - before["decode_s"],
+        decode_steps=after["decode_steps"] - before["decode_steps"],
+        sync_s=sync["transfer_s"],
+        requant_s=sync["requant_s"],
+        weight_gib=after["weight_bytes"] / 2**30,
+        kv_gib=kv_bytes / 2**30,
+        peak_gib=peak_memory_bytes(engine.device) / 2**30,
+        tokens=tokens,
+        _weight_bytes=after["weight_bytes"],
+        _device=str(engine.device),
+    )
+
+
+def _bench_hf(model_dir: Path, cfg: BenchConfig, prompts: list[list[int]]) -> dict:
+    import transformers
+
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(cfg.dtype)).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=cfg.output_len,
+                  min_new_tokens=cfg.output_len, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids[:4], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        synchronize(device)
+        start = time.perf_counter()
+        out = model.generate(ids, **kwargs)
+        synchronize(device)
+    elapsed = time.perf_counter() - start
+    tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return dict(scheme="transformers", tokens_per_s=tokens / elapsed, tokens=tokens)
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run the benchmark; returns the JSON-able result (rows plus device facts)."""
+    if (cfg.model is None) == (cfg.random_weights is None):
+        raise ValueError("give exactly one of --model DIR or --random-weights CONFIG")
+    schemes = [s.name for s in parse_scheme_list(cfg.quant)]
+    with tempfile.TemporaryDirectory() as tmp:
+        random = cfg.random_weights is not None
+        model_dir = random_model_dir(cfg.random_weights, Path(tmp) / "model") if random else Path(cfg.model)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        gen = torch.Generator().manual_seed(cfg.seed)
+        prompts = torch.randint(3, vocab, (cfg.batch, cfg.prompt_len), generator=gen).tolist()
+        rows = [_bench_engine(model_dir, scheme, cfg, random, prompts) for scheme in schemes]
+        if cfg.hf:
+            hf_dir = model_dir
+            if random:
+                hf_dir = _save_random_hf(model_dir, Path(tmp) / "hf", cfg.seed)
+            rows.append(_bench_hf(hf_dir, cfg, prompts))
+    device = torch.device(rows[0]["_device"])
+    bandwidth = copy_bandwidth(device)
+    base = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["vs_first"] = row["tokens_per_s"] / base
+        if "_weight_bytes" in row:
+            # one decode step reads every weight once and the KV of every sequence so far
+            step_bytes = row.pop("_weight_bytes") + row["kv_gib"] * 2**30 / 2
+            row["floor_tokens_per_s"] = cfg.batch / (step_bytes / bandwidth)
+            row["vs_floor"] = row["tokens_per_s"] / row["floor_tokens_per_s"]
+        row.pop("_device", None)
+    return dict(config=cfg.__dict__, device=device_name(device), copy_bandwidth_gbs=bandwidth / 1e9,
+                torch=torch.__version__, rows=rows)
+
+
+def _save_random_hf(model_dir: Path, out: Path, seed: int) -> Path:
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out
+
+
+COLUMNS = ["scheme", "tokens_per_s", "vs_first", "ttft_s", "sync_s", "requant_s", "weight_gib", "kv_gib", "peak_gib", "vs_floor"]
+
+
+def format_rows(rows: list[dict], columns: list[str] = COLUMNS) -> str:
+    return format_table(rows, [c for c in columns if any(c in r for r in rows)])
