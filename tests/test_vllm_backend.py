@@ -123,14 +123,30 @@ def assert_layers_match(llm, state_dict, scheme: str) -> None:
             assert torch.equal(y, expected(x)), f"forward differs: {where}"
 
 
+def fresh_record(llm) -> dict:
+    return {"outputs": greedy_and_sampled(llm), "tensors": layer_tensors(llm)}
+
+
+def assert_same_state(llm, record: dict, what: str) -> None:
+    """Outputs (tokens and logprobs) and every linear-layer code and scale equal `record`, bit for bit."""
+    assert greedy_and_sampled(llm) == record["outputs"], f"outputs differ from {what}"
+    tensors = layer_tensors(llm)
+    assert tensors.keys() == record["tensors"].keys()
+    for name, tensor in tensors.items():
+        assert torch.equal(tensor.view(torch.uint8), record["tensors"][name].view(torch.uint8)), f"{name} vs {what}"
+
+
 @pytest.fixture(scope="module", params=SCHEMES)
 def engine(request, checkpoints):
-    """An engine per scheme started from the perturbed checkpoint, with its fresh-load outputs and
-    layer tensors recorded before any test touches it."""
+    """Per scheme: the record of a fresh engine started from the perturbed checkpoint (then shut
+    down), and the engine under test, started from the base checkpoint, with its own fresh record."""
     scheme = request.param
-    llm = vllm.LLM(str(checkpoints["perturbed"]), **LLM_ARGS, **engine_kwargs(scheme))
-    fresh = {"outputs": greedy_and_sampled(llm), "tensors": layer_tensors(llm)}
-    yield {"scheme": scheme, "llm": llm, "fresh": fresh, "sync": WeightSync(llm)}
+    reference = vllm.LLM(str(checkpoints["perturbed"]), **LLM_ARGS, **engine_kwargs(scheme))
+    perturbed_fresh = fresh_record(reference)
+    shutdown(reference)
+    llm = vllm.LLM(str(checkpoints["base"]), **LLM_ARGS, **engine_kwargs(scheme))
+    yield {"scheme": scheme, "llm": llm, "sync": WeightSync(llm),
+           "base_fresh": fresh_record(llm), "perturbed_fresh": perturbed_fresh}
     shutdown(llm)
 
 
@@ -152,50 +168,62 @@ def test_layers_equal_quantlinear_bit_for_bit(engine, checkpoints):
         assert llm.llm_engine.vllm_config.model_config.quantization is None
         return
     assert llm.llm_engine.vllm_config.model_config.quantization == METHOD_NAMES[scheme]
-    assert_layers_match(llm, checkpoints["perturbed_sd"], scheme)
+    assert_layers_match(llm, checkpoints["base_sd"], scheme)
 
 
-def test_reload_equals_fresh_load(engine, checkpoints):
-    """Push the base weights, then the perturbed ones back: greedy and sampled tokens and logprobs,
-    and every code and scale, equal the engine's fresh load of the perturbed checkpoint; the
-    kernel tensors keep their storage (in-place reload)."""
-    scheme, llm, sync, fresh = engine["scheme"], engine["llm"], engine["sync"], engine["fresh"]
+def test_reload_equals_fresh_engine(engine, checkpoints):
+    """Push the perturbed weights into the engine started from the base checkpoint: greedy and
+    seeded top-p tokens and logprobs, and every code and scale, equal those of a fresh engine
+    started from the perturbed checkpoint. Pushing the base weights back restores the engine's own
+    fresh load. The kernel tensors keep their storage (in-place reload); the prefix cache, filled
+    with the other weights' KV in between, is not reused."""
+    scheme, llm, sync = engine["scheme"], engine["llm"], engine["sync"]
     ptrs = {name: p.data_ptr() for name, p in model_of(llm).model.layers.named_parameters() if "proj" in name}
 
-    timings = sync.push(checkpoints["base_sd"].items())
+    timings = sync.push(checkpoints["perturbed_sd"].items())
     assert timings["chunks"] == 2 + 2  # embeddings, 2 decoder layers, final norm
     assert timings["layers_requantized"] == (0 if scheme == "bf16" else 8)
     assert timings["requant_s"] >= 0 and timings["transfer_s"] > 0
-    base_outputs = greedy_and_sampled(llm)  # also fills the prefix cache with base-weight KV
-    assert base_outputs != fresh["outputs"], "the base weights should change the outputs"
+    assert engine["perturbed_fresh"]["outputs"] != engine["base_fresh"]["outputs"]
+    assert_same_state(llm, engine["perturbed_fresh"], "a fresh engine from the perturbed checkpoint")
     if scheme != "bf16":
-        assert_layers_match(llm, checkpoints["base_sd"], scheme)
+        assert_layers_match(llm, checkpoints["perturbed_sd"], scheme)
 
-    sync.push(checkpoints["perturbed_sd"].items())
-    assert greedy_and_sampled(llm) == fresh["outputs"]
-    tensors = layer_tensors(llm)
-    assert tensors.keys() == fresh["tensors"].keys()
-    for name, tensor in tensors.items():
-        assert torch.equal(tensor.view(torch.uint8), fresh["tensors"][name].view(torch.uint8)), name
+    sync.push(checkpoints["base_sd"].items())
+    assert_same_state(llm, engine["base_fresh"], "the engine's own fresh load")
     assert {name: p.data_ptr() for name, p in model_of(llm).model.layers.named_parameters() if "proj" in name} == ptrs
+
+
+def test_dummy_load_then_push_equals_fresh_engine(engine, checkpoints):
+    """The RL start-up pattern: ``load_format="dummy"`` (random weights, nothing read from disk),
+    then the trainer's first push. Also covers the tied LM head, whose CPU GEMM handle vLLM packs
+    at load time and does not repack on reload (flashrl's transfer backend repacks it)."""
+    if engine["scheme"] not in ("bf16", "int8"):
+        pytest.skip("one unquantized and one quantized scheme suffice")
+    llm = vllm.LLM(str(checkpoints["base"]), **LLM_ARGS, load_format="dummy", **engine_kwargs(engine["scheme"]))
+    try:
+        assert greedy_and_sampled(llm) != engine["base_fresh"]["outputs"]
+        WeightSync(llm).push(checkpoints["base_sd"].items())
+        assert_same_state(llm, engine["base_fresh"], "a fresh engine from the base checkpoint")
+    finally:
+        shutdown(llm)
 
 
 def test_qkv_bias_model_layers_and_reload(tmp_path):
     """Qwen2 (q/k/v bias; hidden 128 for head_dim 32), int8: fused biases equal QuantLinear's and
-    the quantized forward adds them exactly; a reload restores the fresh load exactly."""
+    the quantized forward adds them exactly; after a push the engine equals a fresh engine."""
     base = save_tiny_vllm_model(tmp_path / "base", family="qwen2", seed=0, initializer_range=0.2,
                                 hidden_size=128, intermediate_size=256)
     perturbed = save_perturbed_copy(base, tmp_path / "perturbed", scale=0.2, seed=1)
-    llm = vllm.LLM(str(perturbed), **LLM_ARGS, **engine_kwargs("int8"))
+    reference = vllm.LLM(str(perturbed), **LLM_ARGS, **engine_kwargs("int8"))
+    perturbed_fresh = fresh_record(reference)
+    shutdown(reference)
+    llm = vllm.LLM(str(base), **LLM_ARGS, **engine_kwargs("int8"))
     try:
-        fresh = greedy_and_sampled(llm)
-        assert_layers_match(llm, load_state_dict(perturbed), "int8")
-        sync = WeightSync(llm)
-        sync.push(load_state_dict(base).items())
         assert_layers_match(llm, load_state_dict(base), "int8")
-        assert greedy_and_sampled(llm) != fresh
-        sync.push(load_state_dict(perturbed).items())
-        assert greedy_and_sampled(llm) == fresh
+        WeightSync(llm).push(load_state_dict(perturbed).items())
+        assert_layers_match(llm, load_state_dict(perturbed), "int8")
+        assert_same_state(llm, perturbed_fresh, "a fresh engine from the perturbed checkpoint")
     finally:
         shutdown(llm)
 

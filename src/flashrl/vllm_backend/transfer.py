@@ -86,9 +86,40 @@ class FlashRLWeightTransferEngine(WeightTransferEngine[FlashRLTransferInitInfo, 
 
     def finish_weight_update(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
+        refresh_tied_cpu_kernels(self.model)
 
     def shutdown(self) -> None:
         return None
+
+
+def refresh_tied_cpu_kernels(model: torch.nn.Module) -> int:
+    """Rebuild the CPU GEMM state of layers whose weight is tied to another layer's; returns how many.
+
+    On the CPU platform, vLLM's unquantized methods pack each weight into a oneDNN handle at load
+    time (``layer.cpu_linear``). A tied LM head (``tie_word_embeddings``) receives no tensor of its
+    own in a reload, so layerwise reload leaves its handle packed from the *old* embedding although
+    the shared weight tensor was updated in place: logits would come from stale weights. Running
+    the layer's own ``process_weights_after_loading`` again repacks it from the current weight.
+    Other devices read the weight tensor on every call and need nothing.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    by_storage: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and weight.numel() > 0:
+            by_storage.setdefault(weight.data_ptr(), []).append(module)
+    refreshed = 0
+    for modules in by_storage.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            if hasattr(module, "cpu_linear") and getattr(module, "quant_method", None) is not None:
+                module.quant_method.process_weights_after_loading(module)
+                refreshed += 1
+    return refreshed
 
 
 class FlashRLWorkerExtension:
