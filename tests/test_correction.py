@@ -89,10 +89,8 @@ def ref_correction(train, roll, mask, cfg: CorrectionConfig, bounds: dict[str, t
     w = [[w0[i][t] if kept[i][t] else 0.0 for t in range(T)] for i in range(B)]
     factor = 1.0
     if cfg.batch_normalize:
-        if cfg.weight.startswith("seq"):
-            vals = [w[i][t] for i in range(B) for t in range(T) if kept[i][t]]
-            seq_vals = [next(w[i][t] for t in range(T) if kept[i][t]) for i in range(B) if any(kept[i])]
-            vals = seq_vals
+        if cfg.weight.startswith("seq"):  # one value per sequence with a kept token
+            vals = [next(w[i][t] for t in range(T) if kept[i][t]) for i in range(B) if any(kept[i])]
         else:
             vals = [w[i][t] for i in range(B) for t in range(T) if kept[i][t]]
         if _mean(vals) > 1e-8:
