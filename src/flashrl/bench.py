@@ -68,6 +68,8 @@ def random_model_dir(name_or_path: str, root: Path) -> Path:
     """A model directory holding only a config.json of the named dimensions (or the given file)."""
     if name_or_path in RANDOM_CONFIGS:
         raw = {**_COMMON, **RANDOM_CONFIGS[name_or_path]}
+        raw["model_type"] = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                             "LlamaForCausalLM": "llama"}[raw["architectures"][0]]
     else:
         path = Path(name_or_path)
         if not path.is_file():

@@ -2,6 +2,7 @@
 
     flashrl generate --model DIR --quant int8 --prompt "..." [--logprobs]
     flashrl bench    --model DIR | --random-weights NAME --quant bf16,int8,fp8 --batch 16 --output-len 128
+    flashrl train    [--preset tiny-cpu] [--config FILE.yaml] [--any-config-field VALUE ...]
 """
 
 from __future__ import annotations
@@ -121,9 +122,56 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------ train
+
+
+def add_train(sub: argparse._SubParsersAction) -> None:
+    from flashrl.rl.config import TrainConfig
+    from flashrl.rl.presets import PRESETS
+
+    fields = ", ".join(f"--{name.replace('_', '-')}" for name in TrainConfig.__dataclass_fields__)
+    p = sub.add_parser("train", help="GRPO/DAPO training with quantized rollouts (default: tiny task on CPU)",
+                       description="RL training: rollouts with a quantized engine, per-step weight sync and rollout "
+                                   "correction. With no arguments, trains the built-in tiny model on CPU.",
+                       epilog=f"Every TrainConfig field is a flag taking a value: {fields}. "
+                              "Example: flashrl train --rollout-quant fp8 --steps 20 --tis-cap 0")
+    p.add_argument("--preset", default="tiny-cpu", help=f"named preset: {', '.join(PRESETS)} (default: tiny-cpu)")
+    p.add_argument("--config", default=None, help="YAML file of TrainConfig fields (applied over the preset)")
+    p.set_defaults(run=run_train, accepts_overrides=True)
+
+
+def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
+    """['--rollout-quant', 'fp8', '--plot=false'] -> {'rollout_quant': 'fp8', 'plot': 'false'}; a flag
+    with no value means 'true'."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or len(token) <= 2:
+            raise UserError(f"unexpected argument {token!r}; overrides look like --key value")
+        key, eq, value = token[2:].partition("=")
+        if not eq:
+            if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+                value, i = tokens[i + 1], i + 1
+            else:
+                value = "true"
+        out[key.replace("-", "_")] = value
+        i += 1
+    return out
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from flashrl.rl.config import build_config
+    from flashrl.rl.run import run
+
+    config = build_config(args.preset, args.config, parse_overrides(args.overrides))
+    run(config)
+    return 0
+
+
 # ------------------------------------------------------------------------------------------ main
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_generate, add_bench]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_generate, add_bench, add_train]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,7 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from flashrl.config import configure_logging
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = extra
     if not getattr(args, "run", None):
         parser.print_help()
         return 2

@@ -1,0 +1,132 @@
+"""Prompt sources for RL: a built-in synthetic arithmetic task and local jsonl / parquet datasets.
+
+Every source is indexed by step: ``source.batch(step, size)`` is a pure function of (seed, step),
+so resuming from a checkpoint at step k draws exactly the prompts an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+
+
+class PromptSource(Protocol):
+    def batch(self, step: int, size: int) -> list[Example]: ...
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    """`a+b=` style problems; the answer is the result as digits.
+
+    Operands are drawn uniformly from [0, max_operand]; `ops` is a string of operators among ``+-*``.
+    Subtraction keeps results non-negative.
+    """
+
+    seed: int = 0
+    max_operand: int = 99
+    ops: str = "+"
+
+    def __post_init__(self) -> None:
+        if not self.ops or set(self.ops) - set("+-*"):
+            raise ValueError(f"ops={self.ops!r} is invalid; use a non-empty combination of '+', '-', '*'")
+        if self.max_operand < 1:
+            raise ValueError(f"max_operand={self.max_operand} must be >= 1")
+
+    def example(self, rng: random.Random) -> Example:
+        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+        op = rng.choice(self.ops)
+        if op == "-" and b > a:
+            a, b = b, a
+        result = a + b if op == "+" else a - b if op == "-" else a * b
+        return Example(prompt=f"{a}{op}{b}=", answer=str(result))
+
+    def batch(self, step: int, size: int) -> list[Example]:
+        rng = random.Random(f"{self.seed}:{step}")
+        return [self.example(rng) for _ in range(size)]
+
+
+@dataclass
+class FileDataset:
+    """Rows of a local jsonl or parquet file with a prompt field and an answer field (GSM8K layout:
+    `question` and `answer`). Batches walk through seeded per-epoch permutations."""
+
+    path: str
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    seed: int = 0
+    prompt_template: str = "{prompt}"
+
+    def __post_init__(self) -> None:
+        rows = read_rows(self.path)
+        if not rows:
+            raise ValueError(f"dataset {self.path} has no rows")
+        fields = list(rows[0])
+        missing = [f for f in (self.prompt_field, self.answer_field) if f not in rows[0]]
+        if missing:
+            raise ValueError(
+                f"dataset {self.path} has no field(s) {', '.join(map(repr, missing))}; fields found: {', '.join(fields)} "
+                f"(choose them with --prompt-field / --answer-field)"
+            )
+        if "{prompt}" not in self.prompt_template:
+            raise ValueError(f"prompt_template {self.prompt_template!r} must contain '{{prompt}}'")
+        self.examples = [Example(self.prompt_template.format(prompt=str(r[self.prompt_field])), str(r[self.answer_field]))
+                         for r in rows]
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.examples)))
+        random.Random(f"{self.seed}:epoch{epoch}").shuffle(order)
+        return order
+
+    def batch(self, step: int, size: int) -> list[Example]:
+        out, n = [], len(self.examples)
+        for k in range(step * size, (step + 1) * size):
+            epoch, index = divmod(k, n)
+            out.append(self.examples[self._order(epoch)[index]])
+        return out
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Rows of a .jsonl / .json (list of objects) / .parquet file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        rows = []
+        for line_no, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
+        return rows
+    if suffix == ".json":
+        data = json.loads(path.read_text())
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of objects")
+        return data
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ImportError(f"reading {path} needs pyarrow: pip install 'flashrl[data]'") from None
+        return pq.read_table(path).to_pylist()
+    raise ValueError(f"dataset {path}: unsupported file type {suffix!r}; allowed: .jsonl, .json, .parquet")
+
+
+def render_prompt(tokenizer, text: str, use_chat_template: bool = True, system: str | None = None) -> str:
+    """The prompt string the policy sees: the model's chat template (user turn plus generation
+    prompt) when it has one and `use_chat_template` is set, else the text itself."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text

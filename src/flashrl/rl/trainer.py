@@ -1,0 +1,395 @@
+"""The RL loop: GRPO / DAPO with quantized rollouts, per-step weight sync and rollout correction.
+
+One step, top to bottom (trainer and rollout engine live in one process, on a CPU or one GPU):
+
+1. Draw `batch_size / group_size` prompts for this step (a pure function of seed and step).
+2. Generate `group_size` responses per prompt with the rollout backend: quantized weights (int8 /
+   fp8), fp32 logprobs of each sampled token under the processed (temperature, top-k, top-p)
+   distribution.
+3. Score responses with the reward function (+ DAPO's overlong penalty); group-normalised
+   advantages (GRPO, Dr.GRPO or RLOO); optionally drop groups whose rewards are all equal (DAPO
+   dynamic sampling).
+4. Recompute the same tokens' logprobs with the trainer policy (a `transformers` model in fp32 or
+   bf16) at the rollout weights, replaying the rollout's temperature and top-k/top-p truncation.
+5. Rollout correction: importance weights from trainer vs rollout logprobs (token TIS, C = 2 by
+   default), rejection masks and mismatch metrics (`flashrl.correction`).
+6. PPO-clip loss with clip-higher (and optional dual clip, KL to the initial policy) multiplied by
+   the IS weights; gradient accumulation over micro-batches; gradient clipping; optimizer step.
+   With `mini_batches > 1` the batch is split into several optimizer steps (off-policy within it).
+7. Weight sync: the trainer's parameters stream by name into the backend, which re-quantizes in
+   place with fresh scales. Each phase's time is logged.
+
+Outputs in `output_dir`: `metrics.jsonl` (one line per step), `config.yaml`, checkpoints in
+Hugging Face format (`checkpoint-N/`, loadable by the engine and by `transformers`) with the
+optimizer state for resume, and `curves.png`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from flashrl.config import RolloutConfig, resolve_config
+from flashrl.correction import compute_correction, ppo_clip_loss
+from flashrl.engine.engine import peak_memory_bytes, resolve_dtype
+from flashrl.engine.sampler import SamplingParams, replay_processed_logprobs
+from flashrl.rl import algo
+from flashrl.rl.config import TrainConfig
+from flashrl.rl.data import ArithmeticTask, Example, FileDataset, PromptSource, render_prompt
+from flashrl.rl.rewards import get_reward
+from flashrl.rollout import Rollout, RolloutBackend
+from flashrl.utils import synchronize
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    """Padded tensors of one rollout batch; response token t of row i sits at position
+    ``prompt_lens[i] + t`` of `input_ids`."""
+
+    input_ids: torch.Tensor        # [N, L] prompt + response, right-padded with 0
+    attention_mask: torch.Tensor   # [N, L]
+    prompt_lens: torch.Tensor      # [N]
+    response_ids: torch.Tensor     # [N, R]
+    response_mask: torch.Tensor    # [N, R] bool
+    rollout_logprobs: torch.Tensor  # [N, R] fp32, 0 on padding
+    advantages: torch.Tensor       # [N]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: torch.Tensor | slice) -> "Batch":
+        return Batch(*(getattr(self, f)[rows] for f in self.__dataclass_fields__))
+
+    @classmethod
+    def build(cls, rollouts: list[Rollout], advantages: torch.Tensor, device: torch.device) -> "Batch":
+        n = len(rollouts)
+        resp_len = max(1, max(len(r.response_ids) for r in rollouts))
+        total = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
+        input_ids = torch.zeros(n, total, dtype=torch.long)
+        attention = torch.zeros(n, total, dtype=torch.long)
+        response_ids = torch.zeros(n, resp_len, dtype=torch.long)
+        mask = torch.zeros(n, resp_len, dtype=torch.bool)
+        logprobs = torch.zeros(n, resp_len, dtype=torch.float32)
+        for i, r in enumerate(rollouts):
+            seq = r.prompt_ids + r.response_ids
+            input_ids[i, : len(seq)] = torch.tensor(seq)
+            attention[i, : len(seq)] = 1
+            k = len(r.response_ids)
+            response_ids[i, :k] = torch.tensor(r.response_ids, dtype=torch.long)
+            mask[i, :k] = True
+            logprobs[i, :k] = torch.tensor(r.logprobs, dtype=torch.float32)
+        prompt_lens = torch.tensor([len(r.prompt_ids) for r in rollouts])
+        return cls(input_ids.to(device), attention.to(device), prompt_lens.to(device), response_ids.to(device),
+                   mask.to(device), logprobs.to(device), advantages.to(device))
+
+
+def response_logprobs(model, batch: Batch, params: SamplingParams, with_entropy: bool = False):
+    """Trainer logprobs [N, R] of the response tokens under the processed distribution (the rollout's
+    temperature and top-k/top-p replayed), computing the LM head only at response positions."""
+    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    r = batch.response_ids.shape[1]
+    positions = (batch.prompt_lens[:, None] - 1 + torch.arange(r, device=hidden.device)).clamp(max=hidden.shape[1] - 1)
+    picked = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
+    logits = model.get_output_embeddings()(picked).float()
+    temperature = params.temperature if params.temperature > 0 else 1.0
+    lp = replay_processed_logprobs(logits, batch.response_ids, temperature, params.top_k, params.top_p)
+    lp = torch.where(batch.response_mask, lp, torch.zeros_like(lp))
+    if not with_entropy:
+        return lp, None
+    with torch.no_grad():
+        from flashrl.engine.sampler import process_logits
+
+        logp = torch.log_softmax(process_logits(logits.detach(), temperature, params.top_k, params.top_p), -1)
+        entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+    return lp, entropy
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, backend: RolloutBackend | None = None) -> None:
+        import transformers
+
+        self.config = config
+        self.output_dir = Path(config.output_dir)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model_dir = self._model_dir()
+        resume_dir = self._resume_dir()
+        source_dir = resume_dir or self.model_dir
+        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        if not any((self.model_dir / f).is_file() for f in tokenizer_files):
+            raise FileNotFoundError(f"model directory {self.model_dir} has no tokenizer (expected tokenizer.json or "
+                                    f"tokenizer_config.json); save one with tokenizer.save_pretrained(DIR)")
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
+        dtype = torch.float32 if config.trainer_dtype == "fp32" else torch.bfloat16
+        self.policy = transformers.AutoModelForCausalLM.from_pretrained(source_dir, dtype=dtype).to(self.device)
+        self.policy.config.use_cache = False
+        self.reference = None
+        if config.kl_coef > 0:
+            self.reference = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
+            self.reference.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                           betas=(0.9, 0.999))
+        self.source = self._prompt_source()
+        self.reward_fn = get_reward(config.reward)
+        self.correction = config.correction_config()
+        self.sampling = SamplingParams(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                                       max_tokens=config.max_response_tokens, n=config.group_size)
+        self.step = 0
+        if resume_dir is not None:
+            self._load_state(resume_dir)
+        self.backend = backend or self._make_backend(source_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        config.save_yaml(self.output_dir / "config.yaml")
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+        self._truncate_metrics()
+
+    # ------------------------------------------------------------------ set-up helpers
+
+    def _model_dir(self) -> Path:
+        if self.config.model is None:
+            from flashrl.rl.presets import tiny_model_dir
+
+            return tiny_model_dir()
+        path = Path(self.config.model)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+        return path
+
+    def _resume_dir(self) -> Path | None:
+        resume = self.config.resume
+        if not resume:
+            return None
+        if resume == "latest":
+            found = sorted(self.output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+            if not found:
+                raise FileNotFoundError(f"--resume latest: no checkpoint-* directory in {self.output_dir}")
+            return found[-1]
+        path = Path(resume)
+        if not (path / "trainer_state.pt").is_file():
+            raise FileNotFoundError(f"--resume {resume}: not a flashrl checkpoint (no trainer_state.pt)")
+        return path
+
+    def _prompt_source(self) -> PromptSource:
+        c = self.config
+        if c.data is None:
+            return ArithmeticTask(seed=c.seed, max_operand=c.task_max_operand, ops=c.task_ops)
+        return FileDataset(c.data, c.prompt_field, c.answer_field, seed=c.seed, prompt_template=c.prompt_template)
+
+    def rollout_config(self) -> RolloutConfig:
+        c = self.config
+        base = resolve_config(c.rollout_config, source="rollout_config") if c.rollout_config else RolloutConfig()
+        values = {**base.to_dict(), "quant": c.rollout_quant, "lm_head_fp32": c.lm_head_fp32 or base.lm_head_fp32,
+                  "kv_cache_dtype": c.kv_cache_dtype if c.kv_cache_dtype != "bf16" else base.kv_cache_dtype}
+        return RolloutConfig.from_dict(values)
+
+    def _make_backend(self, model_dir: Path) -> RolloutBackend:
+        c = self.config
+        max_len = c.max_prompt_tokens + c.max_response_tokens
+        if c.backend == "vllm":
+            from flashrl.vllm_backend import VLLMBackend
+
+            return VLLMBackend(model_dir, self.rollout_config(), dtype=c.rollout_dtype, seed=c.seed, max_model_len=max_len)
+        from flashrl.engine.engine import Engine
+
+        return Engine(model_dir, quant=self.rollout_config(), dtype=c.rollout_dtype, device=self.device,
+                      max_batch=min(c.max_batch, c.batch_size), max_len=max_len, progress=False)
+
+    # ------------------------------------------------------------------ one step
+
+    def _encode(self, examples: list[Example]) -> list[list[int]]:
+        out = []
+        for ex in examples:
+            text = render_prompt(self.tokenizer, ex.prompt, self.config.chat_template, self.config.system_prompt)
+            ids = self.tokenizer(text, add_special_tokens=not self.config.chat_template or not self.tokenizer.chat_template)["input_ids"]
+            out.append(ids[-self.config.max_prompt_tokens:])  # keep the end: the question and generation prompt
+        return out
+
+    def rollout(self, step: int) -> tuple[list[Example], list[Rollout]]:
+        c = self.config
+        examples = self.source.batch(step, c.batch_size // c.group_size)
+        params = dataclasses.replace(self.sampling, seed=c.seed * 1_000_003 + step)
+        return examples, self.backend.generate(self._encode(examples), params)
+
+    def rewards(self, examples: list[Example], rollouts: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Task scores [N] and the overlong penalty [N] (added to the scores to form rewards)."""
+        c = self.config
+        scores = torch.tensor([self.reward_fn(r.text, examples[r.prompt_index].answer) for r in rollouts])
+        lengths = torch.tensor([len(r.response_ids) for r in rollouts])
+        return scores, algo.overlong_penalty(lengths, c.max_response_tokens, c.overlong_buffer, c.overlong_penalty)
+
+    def train_step(self) -> dict[str, float]:
+        """Run one RL step (rollout, reward, correction, update, weight sync); returns its metrics."""
+        c, step, t = self.config, self.step, {}
+        start = time.perf_counter()
+        examples, rollouts = self.rollout(step)
+        t["rollout"] = time.perf_counter() - start
+
+        mark = time.perf_counter()
+        scores, penalty = self.rewards(examples, rollouts)
+        rewards = scores + penalty
+        advantages = algo.group_advantages(rewards, c.group_size, c.advantage, c.norm_adv_by_std)
+        keep = algo.informative_groups(rewards, c.group_size) if c.dynamic_sampling else torch.ones(len(rollouts), dtype=torch.bool)
+        t["reward"] = time.perf_counter() - mark
+
+        metrics: dict[str, float] = {"step": step}
+        metrics.update(self._rollout_metrics(rollouts, scores, rewards, penalty, keep))
+        if keep.any():
+            batch = Batch.build([r for r, k in zip(rollouts, keep.tolist()) if k], advantages[keep], self.device)
+            metrics.update(self._update(batch, t))
+            mark = time.perf_counter()
+            sync = self.backend.update_weights(self.policy.named_parameters())
+            t["sync_total"] = time.perf_counter() - mark
+            t["sync"], t["requant"] = sync.get("transfer_s", 0.0), sync.get("requant_s", 0.0)
+        else:
+            metrics["skipped_update"] = 1.0
+        t["step"] = time.perf_counter() - start
+        metrics.update({f"time/{k}": v for k, v in t.items()})
+        tokens = sum(len(r.response_ids) for r in rollouts)
+        metrics["throughput/rollout_tokens_per_s"] = tokens / max(t["rollout"], 1e-9)
+        metrics["memory/peak_gib"] = peak_memory_bytes(self.device) / 2**30
+        self.step += 1
+        return metrics
+
+    def _rollout_metrics(self, rollouts, scores, rewards, penalty, keep) -> dict[str, float]:
+        lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
+        return {
+            "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "reward/score_mean": scores.float().mean().item(), "reward/overlong_penalty_mean": penalty.mean().item(),
+            "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
+            "response/truncated_frac": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+            "batch/kept_frac": keep.float().mean().item(),
+        }
+
+    def _update(self, batch: Batch, t: dict[str, float]) -> dict[str, float]:
+        c = self.config
+        mark = time.perf_counter()
+        self.policy.eval()
+        with torch.no_grad():
+            old, entropy = self._logprobs(self.policy, batch, with_entropy=True)
+            ref = self._logprobs(self.reference, batch)[0] if self.reference is not None else None
+        t["logprobs"] = time.perf_counter() - mark
+        # decoupled: PPO ratio against the trainer's own recompute, IS weights correct pi_old / pi_roll;
+        # bypass: the ratio is taken against the rollout logprobs and the weights only carry rejection
+        corr = compute_correction(old, batch.rollout_logprobs, batch.response_mask, self.correction)
+        ratio_base = old if c.correction_mode == "decoupled" else batch.rollout_logprobs
+        metrics = {f"rollout_corr/{k}": v for k, v in corr.metrics.items()}
+        metrics["actor/entropy"] = (entropy * batch.response_mask).sum().item() / max(batch.response_mask.sum().item(), 1)
+
+        mark = time.perf_counter()
+        self.policy.train()
+        stats_sum: dict[str, float] = {}
+        grad_norms: list[float] = []
+        count = 0
+        mini = len(batch) // c.mini_batches
+        for m in range(c.mini_batches):
+            rows = slice(m * mini, (m + 1) * mini)
+            mb_mask = corr.mask[rows]
+            denominator = float(mb_mask.sum()) if c.loss_aggregation == "token_mean" else float(mini)
+            for lr_group in self.optimizer.param_groups:
+                lr_group["lr"] = self._lr()
+            for start in range(rows.start, rows.stop, c.micro_batch_size):
+                sub = slice(start, min(start + c.micro_batch_size, rows.stop))
+                part = batch.select(sub)
+                lp, _ = self._logprobs(self.policy, part)
+                loss, stats = ppo_clip_loss(
+                    lp, ratio_base[sub], part.advantages, corr.mask[sub], corr.weights[sub],
+                    clip_low=c.clip_low, clip_high=c.clip_high, dual_clip=c.dual_clip, aggregation=c.loss_aggregation,
+                    loss_scale_denominator=max(denominator, 1.0), max_length=c.max_response_tokens,
+                )
+                if ref is not None:
+                    kl = algo.kl_penalty(lp, ref[sub], "k3")
+                    kl_loss = (kl * corr.mask[sub]).sum() / max(denominator, 1.0)
+                    loss = loss + c.kl_coef * kl_loss
+                    stats["kl_ref"] = kl_loss.item()
+                loss.backward()
+                for k, v in stats.items():
+                    stats_sum[k] = stats_sum.get(k, 0.0) + v
+                count += 1
+            max_norm = c.grad_clip if c.grad_clip > 0 else math.inf
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm)))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        synchronize(self.device)
+        t["train"] = time.perf_counter() - mark
+        metrics.update({f"actor/{k}": v / count for k, v in stats_sum.items()})
+        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["actor/lr"] = self._lr()
+        return metrics
+
+    def _logprobs(self, model, batch: Batch, with_entropy: bool = False):
+        outs, ents = [], []
+        for start in range(0, len(batch), self.config.micro_batch_size):
+            lp, ent = response_logprobs(model, batch.select(slice(start, start + self.config.micro_batch_size)),
+                                        self.sampling, with_entropy)
+            outs.append(lp)
+            ents.append(ent)
+        return torch.cat(outs), (torch.cat(ents) if with_entropy else None)
+
+    def _lr(self) -> float:
+        c = self.config
+        if c.warmup_steps > 0 and self.step < c.warmup_steps:
+            return c.lr * (self.step + 1) / c.warmup_steps
+        return c.lr
+
+    # ------------------------------------------------------------------ loop, checkpoints, outputs
+
+    def train(self) -> list[dict[str, float]]:
+        c = self.config
+        history = []
+        bar = tqdm(total=c.steps, initial=self.step, desc=f"train ({c.rollout_quant})", unit="step")
+        while self.step < c.steps:
+            metrics = self.train_step()
+            history.append(metrics)
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('rollout_corr/kl', 0.0):.2e}",
+                            tok_s=f"{metrics['throughput/rollout_tokens_per_s']:.0f}")
+            if c.save_every and self.step % c.save_every == 0 and self.step < c.steps:
+                self.save_checkpoint()
+        bar.close()
+        self.save_checkpoint()
+        return history
+
+    def save_checkpoint(self) -> Path:
+        """HF-format weights + tokenizer + optimizer/trainer state in `output_dir/checkpoint-<step>`."""
+        path = self.output_dir / f"checkpoint-{self.step}"
+        tmp = self.output_dir / f".checkpoint-{self.step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.policy.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        torch.save(dict(step=self.step, optimizer=self.optimizer.state_dict(), config=self.config.to_dict(),
+                        python_rng=random.getstate(), torch_rng=torch.get_rng_state()), tmp / "trainer_state.pt")
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+        return path
+
+    def _load_state(self, path: Path) -> None:
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        random.setstate(state["python_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        logger.info("resumed from %s at step %d", path, self.step)
+
+    def _truncate_metrics(self) -> None:
+        """Keep the metrics of steps before `self.step` (a resumed run rewrites later ones)."""
+        if not self.metrics_path.is_file():
+            return
+        lines = [l for l in self.metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] < self.step]
+        self.metrics_path.write_text("".join(l + "\n" for l in lines))
+
+
+def read_metrics(path: str | Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
