@@ -68,19 +68,27 @@ def _set_rope_scaling(config, rope_scaling: dict, rope_theta: float | None) -> N
         config.rope_scaling = rope_scaling
 
 
-CHAR_VOCAB = "0123456789+-*/=?#() abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n.,:;!'\""
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 """Token ids 0..3 of the character tokenizer, matching the tiny configs' pad/bos/eos ids 0/1/2."""
 
 
-def char_tokenizer():
-    """A character-level `transformers` tokenizer (one token per character), built locally."""
+def char_tokenizer(vocab_size: int | None = None):
+    """A character-level `transformers` tokenizer built locally: ids 0-3 are the special tokens,
+    then the 95 printable ASCII characters one token each, then filler tokens ``<tN>`` up to
+    `vocab_size` (so every id a model can sample decodes; vLLM requires that)."""
+    import string
+
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for ch in CHAR_VOCAB:
+    for ch in (c for c in string.printable if c.isprintable()):
         vocab.setdefault(ch, len(vocab))
+    if vocab_size is not None:
+        if vocab_size < len(vocab):
+            raise ValueError(f"vocab_size={vocab_size} is too small; the character tokenizer needs >= {len(vocab)}")
+        for i in range(len(vocab), vocab_size):
+            vocab[f"<t{i}>"] = i
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
@@ -109,8 +117,5 @@ def save_tiny_model(
                 p.copy_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
     if tokenizer:
-        tok = char_tokenizer()
-        if len(tok) > config.vocab_size:
-            raise ValueError(f"vocab_size={config.vocab_size} is smaller than the character tokenizer ({len(tok)})")
-        tok.save_pretrained(path)
+        char_tokenizer(config.vocab_size).save_pretrained(path)
     return path

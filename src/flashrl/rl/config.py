@@ -8,6 +8,7 @@ value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -55,6 +56,8 @@ class TrainConfig:
     max_response_tokens: int = 16
     max_batch: int = 256
     """KV-cache slots of the built-in engine (sequences decoded at once)."""
+    vllm_kwargs: str | None = None
+    """JSON object of extra `vllm.LLM(...)` arguments for backend 'vllm', e.g. '{"enforce_eager": true}'."""
     # ---- algorithm
     steps: int = 60
     batch_size: int = 128
@@ -136,6 +139,7 @@ class TrainConfig:
         if self.group_size < 2 and self.advantage != "drgrpo":
             raise ValueError(f"advantage={self.advantage!r} needs group_size >= 2")
         self.correction_config()  # raises on invalid correction settings
+        self.llm_kwargs()
         if self.correction_mode == "bypass" and self.mini_batches > 1:
             raise ValueError("correction_mode='bypass' takes the PPO ratio against the rollout policy; use mini_batches=1")
 
@@ -152,6 +156,18 @@ class TrainConfig:
         if self.rejection_thresholds:
             values["rejection_thresholds"] = self.rejection_thresholds
         return CorrectionConfig.from_dict(values)
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """`vllm_kwargs` parsed (a JSON object)."""
+        if not self.vllm_kwargs:
+            return {}
+        try:
+            value = json.loads(self.vllm_kwargs)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"vllm_kwargs={self.vllm_kwargs!r} is not valid JSON ({err.msg})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"vllm_kwargs={self.vllm_kwargs!r} must be a JSON object")
+        return value
 
     # ------------------------------------------------------------------ I/O
 

@@ -54,7 +54,7 @@ def cache_dir() -> Path:
 
 def tiny_model_dir() -> Path:
     """The built-in tiny model's directory, built on first use (about 10 s on 2 CPU cores)."""
-    spec = json.dumps(dict(model=TINY_MODEL, warmup=TINY_WARMUP, task=TINY_TASK, version=1), sort_keys=True)
+    spec = json.dumps(dict(model=TINY_MODEL, warmup=TINY_WARMUP, task=TINY_TASK, version=2), sort_keys=True)
     path = cache_dir() / f"tiny-cpu-{hashlib.sha1(spec.encode()).hexdigest()[:10]}"
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
         return path
@@ -70,8 +70,9 @@ def build_tiny_model(path: str | Path) -> Path:
     from flashrl.testing import char_tokenizer
 
     path = Path(path)
-    tokenizer = char_tokenizer()
-    config = transformers.Qwen2Config(vocab_size=(len(tokenizer) + 7) // 8 * 8, bos_token_id=1, eos_token_id=2,
+    vocab_size = (len(char_tokenizer()) + 7) // 8 * 8
+    tokenizer = char_tokenizer(vocab_size)
+    config = transformers.Qwen2Config(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2,
                                       pad_token_id=0, rms_norm_eps=1e-6, **TINY_MODEL)
     torch.manual_seed(TINY_WARMUP["seed"])
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

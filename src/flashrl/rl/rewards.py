@@ -29,23 +29,23 @@ def gold_answer(answer: str) -> str:
     return found[-1].strip() if found else answer.strip()
 
 
-def _to_number(text: str) -> float | None:
+def _to_number(text: str, first: bool = False) -> float | None:
     match = _NUMBER.findall(text.replace("$", ""))
     if not match:
         return None
     try:
-        return float(match[-1].replace(",", ""))
+        return float(match[0 if first else -1].replace(",", ""))
     except ValueError:
         return None
 
 
 def extract_number(response: str) -> float | None:
-    """The number a response commits to: after the last ``####``, else in the last ``\\boxed{}``,
-    else the last number in the text."""
+    """The number a response commits to: the first number after the last ``####``, else the one in
+    the last ``\\boxed{}``, else the last number in the text."""
     for pattern in (_HASHES, _BOXED):
         found = pattern.findall(response)
         if found:
-            return _to_number(found[-1])
+            return _to_number(found[-1], first=True)
     return _to_number(response)
 
 
@@ -54,7 +54,7 @@ def exact_match(response: str, answer: str) -> float:
 
 
 def numeric(response: str, answer: str) -> float:
-    pred, gold = extract_number(response), _to_number(gold_answer(answer))
+    pred, gold = extract_number(response), _to_number(gold_answer(answer), first=True)
     if pred is None or gold is None:
         return 0.0
     return float(abs(pred - gold) <= 1e-6 * max(1.0, abs(gold)))
@@ -72,6 +72,13 @@ def math_verify(response: str, answer: str) -> float:
 
 
 REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "numeric": numeric, "math_verify": math_verify}
+
+
+def register_reward(name: str, fn: RewardFn) -> None:
+    """Make a custom ``fn(response_text, answer) -> float`` available as `reward: name`."""
+    if not callable(fn):
+        raise TypeError(f"reward {name!r} must be callable")
+    REWARDS[name] = fn
 
 
 def get_reward(name: str) -> RewardFn:

@@ -199,7 +199,8 @@ class Trainer:
         if c.backend == "vllm":
             from flashrl.vllm_backend import VLLMBackend
 
-            return VLLMBackend(model_dir, self.rollout_config(), dtype=c.rollout_dtype, seed=c.seed, max_model_len=max_len)
+            kwargs = {"max_model_len": max_len, "max_num_seqs": min(c.max_batch, c.batch_size), **c.llm_kwargs()}
+            return VLLMBackend(model_dir, self.rollout_config(), dtype=resolve_dtype(c.rollout_dtype), seed=c.seed, **kwargs)
         from flashrl.engine.engine import Engine
 
         return Engine(model_dir, quant=self.rollout_config(), dtype=c.rollout_dtype, device=self.device,

@@ -9,37 +9,17 @@ pad/bos/eos ids), then the 95 printable ASCII characters one token each, then fi
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from flashrl.testing import save_tiny_model
-
-SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+from flashrl.testing import char_tokenizer, save_tiny_model
 
 
 def save_char_tokenizer(path: str | Path, vocab_size: int = 256) -> Path:
-    """Write a character-level `PreTrainedTokenizerFast` with `vocab_size` tokens to `path`."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [c for c in string.printable if c.isprintable()]  # 95 printable ASCII characters
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for c in chars:
-        vocab.setdefault(c, len(vocab))
-    if vocab_size < len(vocab):
-        raise ValueError(f"vocab_size={vocab_size} is too small; the character tokenizer needs >= {len(vocab)}")
-    for i in range(len(vocab), vocab_size):
-        vocab[f"<t{i}>"] = i
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
-    fast.save_pretrained(path)
+    """Write `flashrl.testing.char_tokenizer(vocab_size)` to `path`."""
+    char_tokenizer(vocab_size).save_pretrained(path)
     return Path(path)
 
 
