@@ -181,6 +181,7 @@ def quantize_per_tensor(
     """One fp32 scale for the whole 2-D tensor. Returns (codes like x, scale of shape [])."""
     _check_out(out, tuple(x.shape), code_dtype, "out")
     scale = _scale_from_amax(_abs_max(x), qmax_of(code_dtype), scale_out)
+
     def scale_chunk_(chunk: torch.Tensor, rows: slice) -> torch.Tensor:
         chunk.div_(scale)
         return scale
@@ -190,7 +191,7 @@ def quantize_per_tensor(
 
 
 def dequantize_per_tensor(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (_upcast(q, dtype) * _upcast(scale, dtype)).to(dtype)
+    return dequantize_per_row(q, scale, dtype)  # the same broadcast multiply
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,6 +221,7 @@ def quantize_per_row(
 
 
 def dequantize_per_row(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Codes times a broadcastable scale ([R, 1] per row, [] per tensor), in `dtype`."""
     return (_upcast(q, dtype) * _upcast(scale, dtype)).to(dtype)
 
 
