@@ -9,6 +9,12 @@ sequence frees its slot, the last active sequence moves into it (so the active s
 Randomness: each request (prompt i, sample j) draws from its own stream, seeded from
 (seed, i, j), one uniform number per token (inverse-CDF sampling). A request's tokens therefore do
 not depend on batch size or on which other requests run beside it, and seeded runs repeat exactly.
+
+FP8 KV cache (``kv_cache_dtype="fp8"``, docs/kv_cache.md): K and V are stored as e4m3 codes with
+fp32 scales (`flashrl.engine.kv_cache`). ``kv_scale="calibrated"`` recalibrates static scales
+(`flashrl.engine.kv_calibration`) after every `update_weights` on the most recent generated
+sequences, and at the first generate after loading on that call's prompts; ``"dynamic"`` scales
+every token and head at write time; a float fixes every scale.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ from tqdm.auto import tqdm
 
 from flashrl.config import RolloutConfig, from_env, resolve_config
 from flashrl.engine.kv_cache import KVCache
+from flashrl.engine.kv_calibration import KVScales, RecentSequences, calibrate_model
 from flashrl.engine.model import Decoder, ForwardBatch, attention_mask
 from flashrl.engine.model_config import ModelConfig
 from flashrl.engine.sampler import SamplingParams, replay_processed_logprobs, sample
 from flashrl.engine.weights import WeightMap, iter_checkpoint
 from flashrl.quant.linear import QuantLinear
 from flashrl.rollout import Rollout
+from flashrl.utils import synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -85,17 +93,27 @@ class Engine:
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
         lm_head_fp32: bool | None = None,
-        max_batch: int = 64,
+        max_batch: int | None = None,
         max_len: int | None = None,
         skip: Sequence[str] | None = None,
         seed: int | None = None,
         progress: bool = True,
         load_weights: bool = True,
+        kv_cache_dtype: str | None = None,
+        kv_scale: str | float | None = None,
+        kv_scale_granularity: str | None = None,
+        kv_cache_memory: int | None = None,
     ) -> None:
         """Load the checkpoint in `model_dir` with weights quantized by `quant` (a scheme name, a YAML
-        path or a `RolloutConfig`; default: FLASHRL_CONFIG, else bf16). `max_batch` sequences of at
-        most `max_len` tokens (prompt + response) fit in the KV cache. `load_weights=False` leaves
-        the weights uninitialised (see `init_random_weights_`)."""
+        path or a `RolloutConfig`; default: FLASHRL_CONFIG, else bf16). `max_batch` sequences (default
+        64) of at most `max_len` tokens (prompt + response) fit in the KV cache; alternatively
+        `kv_cache_memory` (bytes) sizes the cache and `max_batch` follows from it.
+        `load_weights=False` leaves the weights uninitialised (see `init_random_weights_`).
+
+        `kv_cache_dtype` (``bf16`` | ``fp8``) and `kv_scale` (``calibrated`` | ``dynamic`` | a positive
+        float) override the config's fields; `kv_scale_granularity` (``layer``, default, or ``head``)
+        picks one static scale per layer or per kv head (``dynamic`` scales are per token and head).
+        """
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
         config = resolve_config(quant, source="quant") if quant is not None else (from_env() or RolloutConfig())
@@ -104,13 +122,24 @@ class Engine:
             overrides["lm_head_fp32"] = lm_head_fp32
         if skip is not None:
             overrides["skip"] = tuple(skip)
+        if kv_cache_dtype is not None:
+            overrides["kv_cache_dtype"] = kv_cache_dtype
+        if kv_scale is not None:
+            overrides["kv_scale"] = kv_scale
         self.config = RolloutConfig.from_dict({**config.to_dict(), **overrides}) if overrides else config
+        self.kv_scale_granularity = _kv_granularity(self.config, kv_scale, kv_scale_granularity)
+        self.kv_calibrated = self.config.kv_cache_dtype == "fp8" and self.config.kv_scale == "calibrated"
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(dtype)
+        self.max_len = max_len or min(self.model_config.max_position_embeddings, 4096)
+        if kv_cache_memory is not None:
+            if max_batch is not None:
+                raise ValueError("give max_batch or kv_cache_memory, not both")
+            max_batch = self._max_batch_for(kv_cache_memory)
+        max_batch = 64 if max_batch is None else max_batch
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.max_batch = max_batch
-        self.max_len = max_len or min(self.model_config.max_position_embeddings, 4096)
         self.progress = progress
         self.seed = seed
         start = time.perf_counter()
@@ -122,9 +151,27 @@ class Engine:
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.model_dir, self.model_config, self.tokenizer)
         self.cache: KVCache | None = None
+        self._kv_recent = RecentSequences()
+        self._kv_scales: KVScales | None = None
+        self._kv_stale = self.kv_calibrated  # calibrated at the first generate, on its prompts
         self._stats = dict(load_s=time.perf_counter() - start, generate_calls=0, prompts=0, sequences=0,
                            prompt_tokens=0, generated_tokens=0, prefill_s=0.0, decode_s=0.0, decode_steps=0,
-                           weight_updates=0, transfer_s=0.0, requant_s=0.0)
+                           weight_updates=0, transfer_s=0.0, requant_s=0.0,
+                           kv_calibrations=0, kv_calibration_s=0.0, kv_calibration_last_s=0.0, kv_calibration_tokens=0)
+
+    def _max_batch_for(self, kv_cache_memory: int) -> int:
+        """Slots of `max_len` tokens that fit in `kv_cache_memory` bytes of KV cache."""
+        if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, (int, float)) or not kv_cache_memory >= 1:
+            raise ValueError(f"kv_cache_memory={kv_cache_memory!r} must be a positive number of bytes")
+        kv_cache_memory = int(kv_cache_memory)
+        c = self.model_config
+        args = (c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.config.kv_cache_dtype, self.kv_scale_granularity or "layer")
+        tokens = KVCache.capacity_tokens(kv_cache_memory, *args)
+        if tokens < self.max_len:
+            need = KVCache.fixed_bytes(c.num_layers, c.num_kv_heads, *args[4:]) + self.max_len * KVCache.bytes_per_token(*args)
+            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds {tokens} tokens, less than one sequence of "
+                             f"max_len={self.max_len} ({need} bytes); raise kv_cache_memory or lower max_len")
+        return tokens // self.max_len
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -144,6 +191,7 @@ class Engine:
 
         for name, tensor in tensors():
             self.weights.apply(name, tensor.to(self.device, self.dtype if self.dtype != torch.float32 else torch.float32))
+        self._kv_stale = self.kv_calibrated
 
     # ------------------------------------------------------------------ generation
 
@@ -174,8 +222,49 @@ class Engine:
     def _ensure_cache(self) -> KVCache:
         if self.cache is None:
             c = self.model_config
-            self.cache = KVCache(c.num_layers, self.max_batch, c.num_kv_heads, self.max_len, c.head_dim, self.dtype, self.device)
+            self.cache = KVCache(c.num_layers, self.max_batch, c.num_kv_heads, self.max_len, c.head_dim, self.dtype, self.device,
+                                 kv_cache_dtype=self.config.kv_cache_dtype, scale_granularity=self.kv_scale_granularity or "layer")
+            if isinstance(self.config.kv_scale, float) and self.cache.k_scale is not None:
+                self.cache.set_scales(torch.tensor(self.config.kv_scale), torch.tensor(self.config.kv_scale))
+            elif self._kv_scales is not None:
+                self.cache.set_scales(self._kv_scales.k, self._kv_scales.v)
         return self.cache
+
+    # ------------------------------------------------------------------ fp8 KV scales
+
+    @torch.no_grad()
+    def calibrate_kv(self, sequences: Sequence[Sequence[int]] | None = None) -> float:
+        """Recalibrate the static fp8 KV scales (``kv_scale="calibrated"``) from a forward over
+        `sequences` (token ids; default: the most recent generated sequences). Scales are written
+        into the cache in place. Returns the seconds it took (also in `stats`)."""
+        if not self.kv_calibrated:
+            raise ValueError(f"calibrate_kv needs kv_cache_dtype='fp8' with kv_scale='calibrated'; this engine has "
+                             f"kv_cache_dtype={self.config.kv_cache_dtype!r}, kv_scale={self.config.kv_scale!r}")
+        if sequences is None:
+            sequences = self._kv_recent.sequences()
+        else:
+            recent = RecentSequences()  # the same token budget as the automatic calibration set
+            recent.add(list(sequences))
+            sequences = recent.sequences()
+        if not sequences:
+            raise ValueError("no calibration sequences: pass token ids, or generate first")
+        start = time.perf_counter()
+        scales = calibrate_model(self.model, sequences, self.kv_scale_granularity, max_len=self.max_len)
+        if self.cache is not None:
+            self.cache.set_scales(scales.k, scales.v)
+        synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        self._kv_scales, self._kv_stale = scales, False
+        self._stats["kv_calibrations"] += 1
+        self._stats["kv_calibration_s"] += elapsed
+        self._stats["kv_calibration_last_s"] = elapsed
+        self._stats["kv_calibration_tokens"] = scales.tokens
+        return elapsed
+
+    def _remember(self, requests: list[_Request]) -> None:
+        """Add finished sequences to the calibration set: sample 0 of every prompt first."""
+        ordered = sorted(requests, key=lambda r: (r.sample_index, r.prompt_index))
+        self._kv_recent.add([r.prompt_ids + r.response for r in ordered])
 
     @torch.no_grad()
     def generate(
@@ -185,6 +274,8 @@ class Engine:
         params = params or SamplingParams()
         encoded = self._encode_prompts(prompts)
         cache = self._ensure_cache()
+        if self._kv_stale:
+            self.calibrate_kv(self._kv_recent.sequences() or encoded)
         base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         queue: deque[list[_Request]] = deque()
         for i, ids in enumerate(encoded):
@@ -223,11 +314,13 @@ class Engine:
             if finished:
                 bar.update(len(finished))
                 elapsed = time.perf_counter() - start_time
-                bar.set_postfix(tok_s=f"{(self._stats['generated_tokens'] - generated_before) / max(elapsed, 1e-9):.0f}")
+                bar.set_postfix(tok_s=f"{(self._stats['generated_tokens'] - generated_before) / max(elapsed, 1e-9):.0f}", refresh=False)
         bar.close()
         self._stats["generate_calls"] += 1
         self._stats["prompts"] += len(encoded)
         self._stats["sequences"] += total
+        if self.kv_calibrated:
+            self._remember(done)
         done.sort(key=lambda r: (r.prompt_index, r.sample_index))
         return [self._to_rollout(r, params) for r in done]
 
@@ -329,6 +422,120 @@ class Engine:
         targets = torch.tensor(list(response_ids), device=self.device)
         return replay_processed_logprobs(logits, targets, temperature, top_k, top_p).tolist()
 
+    # ------------------------------------------------------------------ teacher forcing through the cache
+
+    @torch.no_grad()
+    def cached_logits(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
+        """fp32 logits [len(response), vocab] predicting each token of each response, computed as
+        `generate` computes them: a prefill of the prompt, then one decode step per response token
+        reading this engine's KV cache (so fp8 KV rounding is included)."""
+        pairs = self._check_pairs(prompts, responses)
+        if self._kv_stale:
+            self.calibrate_kv(self._kv_recent.sequences() or [p for p, _ in pairs])
+        out: list[list[torch.Tensor]] = [[] for _ in pairs]
+        for start in range(0, len(pairs), self.max_batch):
+            chunk = pairs[start : start + self.max_batch]
+            for t, logits, rows in self._teacher_forced(self._ensure_cache(), chunk):
+                for row, logit in zip(rows, logits):
+                    out[start + row].append(logit)
+        return [torch.stack(rows) for rows in out]
+
+    @torch.no_grad()
+    def kv_cache_mismatch(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperature: float = 1.0
+    ) -> dict[str, float]:
+        """How far this engine's KV cache (e.g. fp8) moves the sampling distribution, against an
+        unquantized cache (activation dtype) on the same weights, teacher-forced on the given
+        sequences (e.g. the engine's own rollouts). Per response token, at `temperature`:
+
+        - ``kl``, ``kl_max``: exact KL(pi_kv || pi_ref) of the full next-token distributions (the
+          rollout-vs-reference direction of `flashrl.correction`'s ``kl``), mean and max;
+        - ``k3_kl``: `flashrl.correction.mismatch_metrics`' estimate from the given tokens;
+        - ``logprob_abs_diff_max``, ``logit_abs_diff_max``; ``tokens``.
+        """
+        from flashrl.correction import mismatch_metrics
+
+        if not temperature > 0:
+            raise ValueError(f"temperature={temperature!r} must be > 0")
+        pairs = self._check_pairs(prompts, responses)
+        if self._kv_stale:
+            self.calibrate_kv(self._kv_recent.sequences() or [p for p, _ in pairs])
+        c = self.model_config
+        kls: list[torch.Tensor] = []
+        lp_kv = torch.zeros(len(pairs), max(len(r) for _, r in pairs))  # logprobs of the given tokens
+        lp_ref = torch.zeros_like(lp_kv)
+        mask = torch.zeros_like(lp_kv, dtype=torch.bool)
+        logit_diff = 0.0
+        for start in range(0, len(pairs), self.max_batch):
+            chunk = pairs[start : start + self.max_batch]
+            width = max(len(p) + len(r) for p, r in chunk)
+            ref = KVCache(c.num_layers, len(chunk), c.num_kv_heads, width, c.head_dim, self.dtype, self.device)
+            for (t, a, rows), (_, b, _) in zip(self._teacher_forced(self._ensure_cache(), chunk),
+                                               self._teacher_forced(ref, chunk)):
+                la, lb = torch.log_softmax(a / temperature, -1), torch.log_softmax(b / temperature, -1)
+                kls.append((la.exp() * (la - lb)).sum(-1))
+                logit_diff = max(logit_diff, float((a - b).abs().max()))
+                targets = torch.tensor([chunk[row][1][t] for row in rows], device=self.device)
+                idx = torch.tensor([start + row for row in rows])
+                lp_kv[idx, t] = la.gather(1, targets[:, None])[:, 0].cpu()
+                lp_ref[idx, t] = lb.gather(1, targets[:, None])[:, 0].cpu()
+                mask[idx, t] = True
+        kl = torch.cat(kls)
+        metrics = mismatch_metrics(lp_ref, lp_kv, mask)
+        return {"kl": float(kl.mean()), "kl_max": float(kl.max()), "k3_kl": metrics["k3_kl"],
+                "logprob_abs_diff_max": float((lp_kv - lp_ref).abs()[mask].max()),
+                "logit_abs_diff_max": logit_diff, "tokens": float(mask.sum())}
+
+    def _check_pairs(self, prompts, responses) -> list[tuple[list[int], list[int]]]:
+        if len(prompts) != len(responses) or not len(prompts):
+            raise ValueError(f"need one response per prompt and at least one pair; got {len(prompts)} prompts "
+                             f"and {len(responses)} responses")
+        encoded = self._encode_prompts([list(p) for p in prompts])
+        pairs = []
+        for i, (p, r) in enumerate(zip(encoded, responses)):
+            r = [int(t) for t in r]
+            if not r:
+                raise ValueError(f"response {i} is empty")
+            if len(p) + len(r) > self.max_len:
+                raise ValueError(f"sequence {i} has {len(p) + len(r)} tokens; max_len={self.max_len}")
+            bad = [t for t in r if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"response {i} has token id(s) {bad[:5]} outside the vocabulary")
+            pairs.append((p, r))
+        return pairs
+
+    def _teacher_forced(self, cache: KVCache, pairs: list[tuple[list[int], list[int]]]):
+        """Yield (t, logits [rows, vocab], rows) for t = 0, 1, ...: the logits predicting response
+        token t of the sequences `rows` (those whose response is longer than t), with the prompts in
+        slots 0..len(pairs)-1 of `cache` and response tokens fed one decode step at a time."""
+        n, window = len(pairs), self.model_config.sliding_window
+        lengths = [len(p) for p, _ in pairs]
+        width = max(lengths)
+        ids = torch.zeros(n, width, dtype=torch.long)
+        for row, (p, _) in enumerate(pairs):
+            ids[row, : len(p)] = torch.tensor(p)
+        positions = torch.arange(width, device=self.device).expand(n, width)
+        mask = attention_mask(positions, width, window) if window is not None and width > window else None
+        batch = ForwardBatch(positions=positions, cache=cache, slots=torch.arange(n, device=self.device), mask=mask)
+        hidden = self.model.hidden_states(ids.to(self.device), batch)
+        last = hidden[torch.arange(n, device=self.device), torch.tensor(lengths, device=self.device) - 1]
+        logits = self.model.logits(last)
+        for t in range(max(len(r) for _, r in pairs)):
+            rows = [row for row, (_, r) in enumerate(pairs) if len(r) > t]
+            if t:
+                # feed response token t-1 at position len(prompt) + t - 1; finished rows repeat their
+                # last position (their outputs are ignored and their slot is their own)
+                pos = [min(lengths[row] + t - 1, lengths[row] + len(r) - 1) for row, (_, r) in enumerate(pairs)]
+                tok = [r[min(t - 1, len(r) - 1)] for _, r in pairs]
+                positions = torch.tensor(pos, device=self.device)[:, None]
+                kv_length = max(pos) + 1
+                batch = ForwardBatch(positions=positions, cache=cache, decode=True, kv_length=kv_length,
+                                     mask=attention_mask(positions, kv_length, window))
+                logits = self.model.logits(self.model.hidden_states(torch.tensor(tok, device=self.device)[:, None], batch)[:, 0])
+            yield t, logits[rows], rows
+
     # ------------------------------------------------------------------ weight sync
 
     @torch.no_grad()
@@ -339,8 +546,13 @@ class Engine:
         separate calls); quantized layers are re-quantized in place with fresh scales.
 
         Every name and shape is checked before anything is written, so a bad update leaves the
-        engine unchanged. Returns timings in seconds (transfer to the device, requantization) and,
-        with `count_changed`, the fraction of quantized codes that changed.
+        engine unchanged. Returns timings in seconds (``transfer_s`` to the device, ``requant_s``,
+        ``kv_calibration_s``: recalibrating fp8 KV scales, 0.0 when there is nothing to calibrate)
+        and, with `count_changed`, the fraction of quantized codes that changed.
+
+        With ``kv_scale="calibrated"`` every call recalibrates on the most recent generated sequences
+        (before any generate, the next generate calibrates on its prompts): send a whole update in
+        one call rather than tensor by tensor.
         """
         items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         for name, tensor in items:
@@ -351,16 +563,22 @@ class Engine:
         for name, tensor in items:
             t0 = time.perf_counter()
             on_device = tensor.detach().to(self.device, non_blocking=True)
-            _sync(self.device)
+            synchronize(self.device)
             t1 = time.perf_counter()
             changed += self.weights.apply(name, on_device, count_changed=count_changed)
-            _sync(self.device)
+            synchronize(self.device)
             transfer += t1 - t0
             requant += time.perf_counter() - t1
         self._stats["weight_updates"] += 1
         self._stats["transfer_s"] += transfer
         self._stats["requant_s"] += requant
-        result = dict(transfer_s=transfer, requant_s=requant, total_s=time.perf_counter() - start, tensors=float(len(items)))
+        kv_calibration = 0.0
+        if self.kv_calibrated:
+            self._kv_stale = True
+            if len(self._kv_recent):
+                kv_calibration = self.calibrate_kv()
+        result = dict(transfer_s=transfer, requant_s=requant, kv_calibration_s=kv_calibration,
+                      total_s=time.perf_counter() - start, tensors=float(len(items)))
         if count_changed:
             codes = sum(m.weight.numel() for m in self.model.modules() if isinstance(m, QuantLinear))
             result["codes_changed_frac"] = changed / codes if codes else 0.0
@@ -373,18 +591,55 @@ class Engine:
 
         return model_nbytes(self.model)
 
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token costs (all layers, K and V, per-token scales included)."""
+        c = self.model_config
+        return KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.config.kv_cache_dtype,
+                                       self.kv_scale_granularity or "layer")
+
     def stats(self) -> dict[str, float]:
+        """Counters and seconds since construction, memory, and the fp8 KV state: ``kv_calibrations``,
+        ``kv_calibration_s`` (total), ``kv_calibration_last_s``, ``kv_calibration_tokens`` (last),
+        ``kv_{k,v}_scale_{mean,max}`` (static scales), ``kv_clipped_values`` / ``kv_clipped_frac``
+        (values beyond +-448 * scale at cache writes, clamped), ``kv_bytes_per_token`` and
+        ``kv_capacity_tokens`` (max_batch * max_len)."""
         s = dict(self._stats)
         s["decode_tokens_per_s"] = s["generated_tokens"] / s["decode_s"] if s["decode_s"] else 0.0
         s["weight_bytes"] = float(self.weight_nbytes())
         s["kv_cache_bytes"] = float(self.cache.nbytes()) if self.cache is not None else 0.0
+        s["kv_bytes_per_token"] = float(self.kv_bytes_per_token())
+        s["kv_capacity_tokens"] = float(self.max_batch * self.max_len)
+        if self.cache is not None and self.cache.k_scale is not None:
+            k, v = self.cache.k_scale, self.cache.v_scale
+            s.update(kv_k_scale_mean=float(k.mean()), kv_k_scale_max=float(k.max()),
+                     kv_v_scale_mean=float(v.mean()), kv_v_scale_max=float(v.max()))
+        elif self._kv_scales is not None:
+            s.update(self._kv_scales.summary())
+        if self.cache is not None and self.cache.quantized:
+            clipped, written = int(self.cache.clipped), int(self.cache.written)
+            s["kv_clipped_values"] = float(clipped)
+            s["kv_clipped_frac"] = clipped / written if written else 0.0
         s["peak_memory_bytes"] = float(peak_memory_bytes(self.device))
         return s
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _kv_granularity(config: RolloutConfig, kv_scale: object, granularity: str | None) -> str | None:
+    """The KV scale granularity: None for an unquantized cache, ``token`` for dynamic scales,
+    else ``layer`` (default) or ``head``. Options that would have no effect raise."""
+    if config.kv_cache_dtype != "fp8":
+        given = [name for name, value in (("kv_scale", kv_scale), ("kv_scale_granularity", granularity)) if value is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} apply to kv_cache_dtype='fp8'; this engine has "
+                             f"kv_cache_dtype={config.kv_cache_dtype!r}")
+        return None
+    if config.kv_scale == "dynamic":
+        if granularity not in (None, "token"):
+            raise ValueError(f"kv_scale_granularity={granularity!r} does not apply to kv_scale='dynamic' "
+                             "(dynamic scales are per token and kv head)")
+        return "token"
+    if granularity not in (None, "layer", "head"):
+        raise ValueError(f"kv_scale_granularity={granularity!r} is invalid; allowed: layer, head")
+    return granularity or "layer"
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -13,6 +13,7 @@ are fp32 end to end (the final hidden state is upcast before the head matmul).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,9 @@ class ForwardBatch:
     kv_length: int = 0
     mask: torch.Tensor | None = None
     """Boolean attention mask [B or 1, 1, T, S] (True = attend); None means plain causal."""
+    kv_observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+    """Called as ``kv_observer(layer, q, k, v)`` with q [B, heads, T, D] and k, v [B, kv_heads, T, D]
+    after q/k norm and RoPE, i.e. exactly what attention uses and the cache stores (FP8 KV calibration)."""
 
 
 def attention_mask(
@@ -117,11 +121,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotary(q.transpose(1, 2), batch.positions)
         k = rotary(k.transpose(1, 2), batch.positions)
+        if batch.kv_observer is not None:
+            batch.kv_observer(self.layer, q, k, v)
         cache = batch.cache
         if cache is not None and batch.decode:
             cache.write_decode(self.layer, batch.positions[:, 0], k[:, :, 0], v[:, :, 0])
             k, v = cache.read(self.layer, b, batch.kv_length)
         elif cache is not None:
+            # Prefill attends over its own exact K/V; only later (decode) steps read the cache, which
+            # dequantizes an fp8 cache to the activation dtype. Q is never quantized.
             cache.write_prefill(self.layer, batch.slots, k, v)
         out = F.scaled_dot_product_attention(
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=batch.mask, is_causal=batch.mask is None and t > 1,
