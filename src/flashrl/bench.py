@@ -1,11 +1,18 @@
 """`flashrl bench`: rollout throughput per precision, measured fairly (fixed output length, EOS ignored).
 
-For each scheme the same prompts are generated with the same seed; the table reports output tokens/s
-and its ratio to the first scheme (bf16 when listed first), time to first token (the prefill of the
-batch), weight sync (transfer) and requantization time for a full set of new weights, weight and KV
-memory, peak memory, and the memory-bandwidth floor of a decode step (weights + KV read once at the
-measured copy bandwidth). `--random-weights` builds a model of real dimensions with random weights,
-so GPU throughput can be measured without a checkpoint; `--hf` adds `transformers` generate.
+For each scheme and KV-cache dtype the same prompts are generated with the same seed; the table
+reports output tokens/s and its ratio to the first row (bf16 when listed first), time to first
+token (the prefill of the batch), weight sync (transfer) and requantization time for a full set of
+new weights, weight and KV memory, peak memory, and the memory-bandwidth floor of a decode step
+(weights + KV read once at the measured copy bandwidth). `--random-weights` builds a model of real
+dimensions with random weights, so GPU throughput can be measured without a checkpoint; `--hf` adds
+`transformers` generate.
+
+KV cache (`--kv-cache-dtype bf16,fp8`): fp8 rows add ``kv_calib_s`` (recalibrating the KV scales
+after the weight push) and ``kv_kl``, the mean per-token KL(fp8-KV || unquantized KV) of the
+next-token distributions, teacher-forced on the row's own generated sequences
+(`Engine.kv_cache_mismatch`; 0 for unquantized rows). `--kv-budget-gib` adds ``max_sequences``: how
+many sequences of prompt + output length fit in that much KV cache.
 """
 
 from __future__ import annotations
@@ -62,6 +69,10 @@ class BenchConfig:
     seed: int = 0
     hf: bool = False
     out: str | None = "bench.json"
+    kv_cache_dtype: str = "bf16"
+    """Comma-separated KV-cache dtypes (bf16, fp8); every scheme runs with each."""
+    kv_budget_gib: float | None = None
+    """KV-cache memory budget for the ``max_sequences`` column."""
 
 
 def random_model_dir(name_or_path: str, root: Path) -> Path:
@@ -105,11 +116,24 @@ def _new_weights(engine: Engine, seed: int) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _bench_engine(model_dir: Path, scheme: str, cfg: BenchConfig, random: bool, prompts: list[list[int]]) -> dict:
+def parse_kv_dtypes(text: str) -> list[str]:
+    """'bf16,fp8' -> ['bf16', 'fp8']; raises ValueError naming an unknown dtype."""
+    from flashrl.engine.kv_cache import KV_CACHE_DTYPES
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in KV_CACHE_DTYPES]
+    if bad or not names:
+        raise ValueError(f"--kv-cache-dtype {text!r} is invalid; allowed: a comma-separated list of {', '.join(KV_CACHE_DTYPES)}")
+    return list(dict.fromkeys(names))
+
+
+def _bench_engine(
+    model_dir: Path, scheme: str, cfg: BenchConfig, random: bool, prompts: list[list[int]], kv_cache_dtype: str = "bf16"
+) -> dict:
     device = torch.device(cfg.device) if cfg.device else None
     max_len = cfg.prompt_len + cfg.output_len
     engine = Engine(model_dir, quant=scheme, dtype=cfg.dtype, device=device, max_batch=cfg.batch, max_len=max_len,
-                    progress=False, load_weights=not random)
+                    progress=False, load_weights=not random, kv_cache_dtype=kv_cache_dtype)
     if random:
         engine.init_random_weights_(seed=cfg.seed)
     if engine.device.type == "cuda":
@@ -125,20 +149,37 @@ def _bench_engine(model_dir: Path, scheme: str, cfg: BenchConfig, random: bool, 
     elapsed = time.perf_counter() - start
     after = engine.stats()
     tokens = sum(len(o.response_ids) for o in outs)
+    kv_kl = 0.0
+    if kv_cache_dtype != "bf16":
+        kv_kl = engine.kv_cache_mismatch([o.prompt_ids for o in outs], [o.response_ids for o in outs])["kl"]
     new_weights = _new_weights(engine, cfg.seed + 1)
     sync = engine.update_weights(new_weights)
     del new_weights
     kv_bytes = after["kv_cache_bytes"]
+    capacity = {}
+    if cfg.kv_budget_gib is not None:
+        from flashrl.engine.kv_cache import KVCache
+
+        c = engine.model_config
+        budget = int(cfg.kv_budget_gib * 2**30)
+        kv_tokens = KVCache.capacity_tokens(budget, c.num_layers, c.num_kv_heads, c.head_dim, engine.dtype,
+                                            kv_cache_dtype, engine.kv_scale_granularity or "layer")
+        capacity = dict(kv_capacity_tokens=kv_tokens, max_sequences=kv_tokens // max_len)
     return dict(
         scheme=scheme,
+        kv_cache_dtype=kv_cache_dtype,
         tokens_per_s=tokens / elapsed,
         ttft_s=after["prefill_s"] - before["prefill_s"],
         decode_s=after["decode_s"] - before["decode_s"],
         decode_steps=after["decode_steps"] - before["decode_steps"],
         sync_s=sync["transfer_s"],
         requant_s=sync["requant_s"],
+        kv_calib_s=sync["kv_calibration_s"],
         weight_gib=after["weight_bytes"] / 2**30,
         kv_gib=kv_bytes / 2**30,
+        kv_bytes_per_token=after["kv_bytes_per_token"],
+        **capacity,
+        kv_kl=kv_kl,
         peak_gib=peak_memory_bytes(engine.device) / 2**30,
         tokens=tokens,
         _weight_bytes=after["weight_bytes"],
@@ -170,13 +211,16 @@ def run_bench(cfg: BenchConfig) -> dict:
     if (cfg.model is None) == (cfg.random_weights is None):
         raise ValueError("give exactly one of --model DIR or --random-weights CONFIG")
     schemes = [s.name for s in parse_scheme_list(cfg.quant)]
+    kv_dtypes = parse_kv_dtypes(cfg.kv_cache_dtype)
+    if cfg.kv_budget_gib is not None and not cfg.kv_budget_gib > 0:
+        raise ValueError(f"--kv-budget-gib {cfg.kv_budget_gib} must be > 0")
     with tempfile.TemporaryDirectory() as tmp:
         random = cfg.random_weights is not None
         model_dir = random_model_dir(cfg.random_weights, Path(tmp) / "model") if random else Path(cfg.model)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         gen = torch.Generator().manual_seed(cfg.seed)
         prompts = torch.randint(3, vocab, (cfg.batch, cfg.prompt_len), generator=gen).tolist()
-        rows = [_bench_engine(model_dir, scheme, cfg, random, prompts) for scheme in schemes]
+        rows = [_bench_engine(model_dir, scheme, cfg, random, prompts, kv) for scheme in schemes for kv in kv_dtypes]
         if cfg.hf:
             hf_dir = model_dir
             if random:
@@ -206,7 +250,8 @@ def _save_random_hf(model_dir: Path, out: Path, seed: int) -> Path:
     return out
 
 
-COLUMNS = ["scheme", "tokens_per_s", "vs_first", "ttft_s", "sync_s", "requant_s", "weight_gib", "kv_gib", "peak_gib", "vs_floor"]
+COLUMNS = ["scheme", "kv_cache_dtype", "tokens_per_s", "vs_first", "ttft_s", "sync_s", "requant_s", "kv_calib_s",
+           "weight_gib", "kv_gib", "max_sequences", "kv_kl", "peak_gib", "vs_floor"]
 
 
 def format_rows(rows: list[dict], columns: list[str] = COLUMNS) -> str:

@@ -401,7 +401,8 @@ class Engine:
 
     @torch.no_grad()
     def logits(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """fp32 logits [T, vocab] of a full causal forward over one sequence (no cache)."""
+        """fp32 logits [T, vocab] of a full causal forward over one sequence (no cache, so an fp8 KV
+        cache plays no part; `cached_logits` includes it)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         if ids.shape[1] > self.max_len:
             raise ValueError(f"sequence has {ids.shape[1]} tokens; max_len={self.max_len}")
@@ -413,12 +414,15 @@ class Engine:
         temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
     ) -> list[float]:
         """fp32 logprobs of `response_ids` after `prompt_ids` under the engine's processed distribution
-        (same temperature / top-k / top-p rule as sampling)."""
+        (same temperature / top-k / top-p rule as sampling; with an fp8 KV cache, through the cache)."""
         if not prompt_ids or not response_ids:
             raise ValueError("score needs a non-empty prompt and response")
         SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)  # validates
         ids = list(prompt_ids) + list(response_ids)
-        logits = self.logits(ids)[len(prompt_ids) - 1 : len(ids) - 1]
+        if self.config.kv_cache_dtype == "fp8":
+            logits = self.cached_logits([prompt_ids], [response_ids])[0]
+        else:
+            logits = self.logits(ids)[len(prompt_ids) - 1 : len(ids) - 1]
         targets = torch.tensor(list(response_ids), device=self.device)
         return replay_processed_logprobs(logits, targets, temperature, top_k, top_p).tolist()
 

@@ -156,18 +156,27 @@ class KVCache:
         self.written += scaled.numel()
         return _encode(scaled, FP8, torch.empty(x.shape, dtype=FP8, device=x.device)), None
 
-    def write_prefill(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store keys/values [P, kv_heads, T, head_dim] of P prompts at positions 0..T-1 of `slots`."""
+    def write_prefill(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store keys/values [P, kv_heads, T, head_dim] of P prompts at positions 0..T-1 of `slots`.
+        Returns them as stored: `k`, `v` themselves, or their dequantized fp8 codes (what the
+        prefill's attention must use, so that it sees what later decode steps will read)."""
         length = k.shape[2]
         if not self.quantized:
             self.k[layer][slots, :, :length] = k
             self.v[layer][slots, :, :length] = v
-            return
+            return k, v
+        stored = []
         for codes_buf, token_buf, scale, x in self._parts(layer, k, v):
             codes, token_scale = self._quantize(x, scale)
             codes_buf[slots, :, :length] = codes
             if token_scale is not None:
                 token_buf[slots, :, :length] = token_scale
+                stored.append(dequantize_per_row(codes, token_scale.unsqueeze(-1), self.dtype))
+            else:
+                stored.append(dequantize_per_tensor(codes, scale.view(-1, 1, 1), self.dtype))
+        return stored[0], stored[1]
 
     def write_decode(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one new token per active slot: k, v [B, kv_heads, head_dim] at `positions` [B] of

@@ -128,9 +128,10 @@ class Attention(nn.Module):
             cache.write_decode(self.layer, batch.positions[:, 0], k[:, :, 0], v[:, :, 0])
             k, v = cache.read(self.layer, b, batch.kv_length)
         elif cache is not None:
-            # Prefill attends over its own exact K/V; only later (decode) steps read the cache, which
-            # dequantizes an fp8 cache to the activation dtype. Q is never quantized.
-            cache.write_prefill(self.layer, batch.slots, k, v)
+            # Attention always uses K/V as the cache stores them: with an fp8 cache, the prefill too
+            # attends over the dequantized codes, so a token's logits do not depend on whether it was
+            # prefilled or decoded (as in vLLM, whose prefill reads the cache). Q is never quantized.
+            k, v = cache.write_prefill(self.layer, batch.slots, k, v)
         out = F.scaled_dot_product_attention(
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=batch.mask, is_causal=batch.mask is None and t > 1,
             scale=self.scale, enable_gqa=c.num_heads != c.num_kv_heads,
