@@ -252,6 +252,7 @@ class Trainer:
             sync = self.backend.update_weights(self.policy.named_parameters())
             t["sync_total"] = time.perf_counter() - mark
             t["sync"], t["requant"] = sync.get("transfer_s", 0.0), sync.get("requant_s", 0.0)
+            t["kv_calibration"] = sync.get("kv_calibration_s", 0.0)
         else:
             metrics["skipped_update"] = 1.0
         t["step"] = time.perf_counter() - start
