@@ -320,17 +320,16 @@ def test_logging_file_errors(flashrl_logger, tmp_path):
 
 
 def test_logging_level_adds_a_stderr_handler_only_when_nothing_would_show_records(flashrl_logger, capsys):
-    root = logging.getLogger()
     flashrl_logger.handlers[:] = []
-    if root.handlers:  # pytest's logging plugin may have installed root handlers: nothing to add then
-        configure_logging({"FLASHRL_LOGGING_LEVEL": "INFO"})
-        assert flashrl_logger.handlers == []
-        return
+    flashrl_logger.propagate = False  # no ancestor handlers either: records would go nowhere
     configure_logging({"FLASHRL_LOGGING_LEVEL": "INFO"})
     configure_logging({"FLASHRL_LOGGING_LEVEL": "INFO"})
     assert len(flashrl_logger.handlers) == 1
     flashrl_logger.info("visible")
     assert "INFO flashrl: visible" in capsys.readouterr().err
+    flashrl_logger.handlers[:] = [logging.NullHandler()]  # the application has its own handler: none added
+    configure_logging({"FLASHRL_LOGGING_LEVEL": "DEBUG"})
+    assert len(flashrl_logger.handlers) == 1
 
 
 def test_import_configures_nothing_and_never_fails_on_bad_values():
