@@ -3,6 +3,9 @@
     flashrl generate --model DIR --quant int8 --prompt "..." [--logprobs]
     flashrl bench    --model DIR | --random-weights NAME --quant bf16,int8,fp8 --batch 16 --output-len 128
     flashrl train    [--preset tiny-cpu] [--config FILE.yaml] [--any-config-field VALUE ...]
+    flashrl profile  --model DIR --quant int8[,fp8,...] [--prompts FILE] [--kv-cache-dtype fp8] --out profile.json
+    flashrl setup    --profile profile.json [--quant SCHEME] --out flashrl.yaml
+    flashrl verify   [--device cuda] [--quant int8,fp8] [--no-vllm]
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.quant.schemes import SCHEMES
 
 logger = logging.getLogger("flashrl")
@@ -176,9 +180,127 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------ profile
+
+
+def add_profile(sub: argparse._SubParsersAction) -> None:
+    from flashrl.config import KV_CACHE_DTYPES
+    from flashrl.profile import DEFAULT_THRESHOLD
+
+    p = sub.add_parser("profile", help="per-layer quantization error, end-to-end mismatch and a bf16 skip list",
+                       description="Measure how much each scheme distorts a bf16 checkpoint: per linear layer the "
+                                   "relative weight and output error on calibration activations, end to end the "
+                                   "mismatch of next-token distributions (correction-module metric names), a "
+                                   "recommended skip list and the mismatch after skipping, weight memory. Prints a "
+                                   "table; writes JSON for `flashrl setup` (fields: docs/profile.md).")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory (bf16/fp32 safetensors)")
+    p.add_argument("--quant", default="int8",
+                   help=f"comma-separated schemes to profile: {', '.join(s for s in SCHEMES if s != 'bf16')} (default: int8)")
+    p.add_argument("--prompts", default=None,
+                   help="calibration prompts: .txt (one per line) or .jsonl (strings or {\"prompt\": ...}); "
+                        "default: the built-in set (seeded random token ids for a model without a tokenizer)")
+    p.add_argument("--kv-cache-dtype", default="bf16", choices=KV_CACHE_DTYPES,
+                   help="also quantize the KV cache (fp8) and report its share of the mismatch")
+    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help=f"relative output error above which a layer is kept in bf16 (default: {DEFAULT_THRESHOLD})")
+    p.add_argument("--max-prompt-tokens", type=int, default=128, help="prompts are cut to this many tokens (default: 128)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="sampled response length (default: 64)")
+    p.add_argument("--lm-head-fp32", action="store_true", help="profile with the LM head and logits in fp32")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="activation dtype (default: bf16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="profile.json", help="JSON output file (default: profile.json)")
+    p.set_defaults(run=run_profile)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from flashrl.profile import ProfileConfig, format_profile, run_profile as profile, write_profile
+
+    if not Path(args.out).resolve().parent.is_dir():
+        raise UserError(f"--out {args.out}: directory {str(Path(args.out).resolve().parent)!r} does not exist")
+    result = profile(ProfileConfig(model=args.model, quant=args.quant, prompts=args.prompts,
+                                   kv_cache_dtype=args.kv_cache_dtype, threshold=args.threshold,
+                                   max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                                   device=args.device, dtype=args.dtype, lm_head_fp32=args.lm_head_fp32, seed=args.seed))
+    print(format_profile(result))
+    write_profile(result, args.out)
+    print(f"wrote {args.out}; next: flashrl setup --profile {args.out} --out flashrl.yaml")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ setup
+
+
+def add_setup(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("setup", help="write a rollout config (flashrl.yaml) from a profile",
+                       description="Turn a `flashrl profile` JSON into a rollout config: scheme, skip list, KV-cache "
+                                   "dtype and scale mode, lm_head_fp32, logprob mode. Use it with "
+                                   "FLASHRL_CONFIG=flashrl.yaml, Engine(model, quant='flashrl.yaml'), "
+                                   "`flashrl generate --quant flashrl.yaml` or rollout_config in a train config.")
+    p.add_argument("--profile", required=True, help="JSON written by `flashrl profile`")
+    p.add_argument("--quant", default=None, help="the scheme to use, among the profiled ones (needed when several were)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="re-derive the skip list from the per-layer errors at this threshold (default: the profile's)")
+    p.add_argument("--out", default="flashrl.yaml", help="YAML output file (default: flashrl.yaml)")
+    p.set_defaults(run=run_setup)
+
+
+def run_setup(args: argparse.Namespace) -> int:
+    from flashrl.profile import run_setup as setup
+
+    config = setup(args.profile, args.out, quant=args.quant, threshold=args.threshold)
+    kept = [name for name in config.skip if name not in DEFAULT_SKIP]
+    print(f"wrote {args.out}: quant={config.quant}, {len(kept)} tensor(s) kept in bf16 besides the defaults, "
+          f"kv_cache_dtype={config.kv_cache_dtype}, lm_head_fp32={config.lm_head_fp32}")
+    for name in kept:
+        print(f"  skip {name}")
+    print(f"use: FLASHRL_CONFIG={args.out} python your_script.py   (or Engine(model, quant={args.out!r}))")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ verify
+
+
+def add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="deterministic self-test of the install on this device (PASS/FAIL table)",
+                       description="Check this install on this device with tiny built-in models: GEMM kernels vs "
+                                   "references, reload exactness (update vs fresh load), logprob exactness vs float64 "
+                                   "recomputation, KV-cache path vs full forward, and the vLLM backend if installed. "
+                                   "Exits 1 if any check fails; SKIP rows (e.g. a scheme this GPU cannot run) do not.")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--quant", default=None, help=f"comma-separated schemes to check (default: all: {', '.join(SCHEMES)})")
+    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM backend check even if vLLM is installed")
+    p.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    p.set_defaults(run=run_verify)
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from flashrl.quant.schemes import parse_scheme_list
+    from flashrl.verify import exit_code, format_results, results_json, run_verify as verify
+
+    schemes = [s.name for s in parse_scheme_list(args.quant)] if args.quant else None
+    start = time.perf_counter()
+    results = verify(device=args.device, schemes=schemes, vllm=not args.no_vllm)
+    seconds = time.perf_counter() - start
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    print(format_results(results, device, seconds))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results_json(results, device, seconds), indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return exit_code(results)
+
+
 # ------------------------------------------------------------------------------------------ main
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_generate, add_bench, add_train]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_generate, add_bench, add_train, add_profile,
+                                                                    add_setup, add_verify]
 
 
 def build_parser() -> argparse.ArgumentParser:
