@@ -24,8 +24,11 @@ def main() -> None:
     parser.add_argument("--shapes", default="4096x4096,4096x14336", help="comma-separated NxK weight shapes")
     parser.add_argument("--quant", default="int8,fp8,fp8_channel,fp8_block")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     parser.add_argument("--out", default="benchmarks/results/requant.json")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rows = []
     for shape in args.shapes.split(","):

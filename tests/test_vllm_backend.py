@@ -194,12 +194,11 @@ def test_reload_equals_fresh_engine(engine, checkpoints):
     assert {name: p.data_ptr() for name, p in model_of(llm).model.layers.named_parameters() if "proj" in name} == ptrs
 
 
+@pytest.mark.parametrize("engine", ["bf16", "int8"], indirect=True)  # one unquantized, one quantized
 def test_dummy_load_then_push_equals_fresh_engine(engine, checkpoints):
     """The RL start-up pattern: ``load_format="dummy"`` (random weights, nothing read from disk),
     then the trainer's first push. Also covers the tied LM head, whose CPU GEMM handle vLLM packs
     at load time and does not repack on reload (flashrl's transfer backend repacks it)."""
-    if engine["scheme"] not in ("bf16", "int8"):
-        pytest.skip("one unquantized and one quantized scheme suffice")
     llm = vllm.LLM(str(checkpoints["base"]), **LLM_ARGS, load_format="dummy", **engine_kwargs(engine["scheme"]))
     try:
         assert greedy_and_sampled(llm) != engine["base_fresh"]["outputs"]
