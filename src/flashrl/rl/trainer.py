@@ -32,6 +32,7 @@ import logging
 import math
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -349,7 +350,9 @@ class Trainer:
     def train(self) -> list[dict[str, float]]:
         c = self.config
         history = []
-        bar = tqdm(total=c.steps, initial=self.step, desc=f"train ({c.rollout_quant})", unit="step")
+        # in a log file (not a terminal) refresh every 10 s instead of filling it with carriage returns
+        bar = tqdm(total=c.steps, initial=self.step, desc=f"train ({c.rollout_quant})", unit="step",
+                   mininterval=0.1 if sys.stderr.isatty() else 10.0)
         while self.step < c.steps:
             metrics = self.train_step()
             history.append(metrics)
