@@ -261,6 +261,11 @@ class Engine:
         self._stats["kv_calibration_tokens"] = scales.tokens
         return elapsed
 
+    @property
+    def kv_scales(self) -> KVScales | None:
+        """The last calibrated fp8 KV scales (``kv_scale="calibrated"``), None before the first calibration."""
+        return self._kv_scales
+
     def _remember(self, requests: list[_Request]) -> None:
         """Add finished sequences to the calibration set: sample 0 of every prompt first."""
         ordered = sorted(requests, key=lambda r: (r.sample_index, r.prompt_index))

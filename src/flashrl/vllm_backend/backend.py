@@ -8,6 +8,10 @@ in vLLM), and `stats` reports counters and seconds per phase.
 Raw logprobs (``SamplingParams(raw_logprobs=True)``) are not returned by vLLM alongside processed
 ones; they are computed by a second, prefill-only pass over prompt + response with vLLM's prompt
 logprobs (always raw).
+
+FP8 KV cache with calibrated scales: every `generate` hands its sequences (prompt + response) to
+`WeightSync.remember_kv`, so each push recalibrates on the latest rollouts; the first `generate`
+recalibrates the start-up scales (computed from random token ids) on its own prompts first.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class VLLMBackend:
         self.sync = WeightSync(self.llm)
         self._stats: dict[str, float] = dict.fromkeys(
             ("generate_calls", "prompts", "rollouts", "prompt_tokens", "tokens_generated", "generate_s",
-             "raw_logprob_s", "weight_updates", "sync_s", "transfer_s", "requant_s"),
+             "raw_logprob_s", "weight_updates", "sync_s", "transfer_s", "requant_s", "kv_calibration_s"),
             0.0,
         )
 
@@ -66,6 +70,8 @@ class VLLMBackend:
         vLLM refuses ``n > 1`` with greedy sampling, so greedy requests are repeated instead.
         """
         start = time.perf_counter()
+        if self.sync.kv.calibrated and self.sync.kv.from_fallback and self.sync.version == 0:
+            self._stats["kv_calibration_s"] += self.sync.calibrate_kv(self._token_ids(prompts))
         repeat = params.n if params.greedy else 1
         requests = [self._prompt(p) for p in prompts for _ in range(repeat)]
         outputs = self.llm.generate(requests, self._vllm_params(params, params.n // repeat), use_tqdm=False)
@@ -94,6 +100,8 @@ class VLLMBackend:
                     )
                 )
         self._stats["generate_s"] += time.perf_counter() - start
+        ordered = sorted(rollouts, key=lambda r: (r.sample_index, r.prompt_index))  # one sample per prompt first
+        self.sync.remember_kv(r.prompt_ids + r.response_ids for r in ordered)
         if params.raw_logprobs:
             raw_start = time.perf_counter()
             for rollout, raw in zip(rollouts, self.raw_logprobs([(r.prompt_ids, r.response_ids) for r in rollouts])):
@@ -113,13 +121,17 @@ class VLLMBackend:
         self._stats["sync_s"] += timings["total_s"]
         self._stats["transfer_s"] += timings["transfer_s"]
         self._stats["requant_s"] += timings["requant_s"]
+        self._stats["kv_calibration_s"] += timings["kv_calibration_s"]
         return timings
 
     def stats(self) -> dict[str, float]:
-        """Counters and seconds since construction."""
+        """Counters and seconds since construction (``kv_calibration_s`` includes start-up), plus the
+        current fp8 KV scales (``kv_{k,v}_scale_{mean,max}``) when they are calibrated."""
         stats = dict(self._stats)
+        stats["kv_calibration_s"] += self.sync.kv_start_s
         if stats["generate_s"] > 0:
             stats["tokens_per_s"] = stats["tokens_generated"] / stats["generate_s"]
+        stats.update(self.sync.kv.summary())
         return stats
 
     # ------------------------------------------------------------------ extras
@@ -154,6 +166,18 @@ class VLLMBackend:
         self.close()
 
     # ------------------------------------------------------------------ helpers
+
+    def _token_ids(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        """Token ids of text or id prompts (text through the engine's tokenizer)."""
+        tokenizer = None
+        out = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                tokenizer = tokenizer or self.llm.get_tokenizer()
+                out.append(list(tokenizer.encode(prompt)))
+            else:
+                out.append([int(t) for t in prompt])
+        return out
 
     @staticmethod
     def _prompt(prompt: str | Sequence[int]) -> Any:

@@ -13,6 +13,9 @@ from flashrl.config import RolloutConfig, from_env, resolve_config
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.vllm_backend.names import METHOD_NAMES, TRANSFER_BACKEND, WORKER_EXTENSION
 
+ADDITIONAL_CONFIG_KEY = "flashrl_kv_scale"
+"""``LLM(additional_config={...})`` key holding the rollout config's ``kv_scale`` (read by `WeightSync`)."""
+
 logger = logging.getLogger(__name__)
 
 _LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
@@ -38,9 +41,14 @@ def engine_kwargs(scheme: str | RolloutConfig | None = None) -> dict[str, Any]:
     - ``logprobs_mode="processed_logprobs"``: logprobs of the distribution actually sampled from;
     - ``weight_transfer_config={"backend": "flashrl"}`` and the ``flashrl_*`` worker extension,
       which `WeightSync` uses to push new weights every step;
-    - ``kv_cache_dtype="fp8"`` when the config asks for an fp8 KV cache with a fixed scale of 1.0.
+    - for ``kv_cache_dtype: fp8``: ``kv_cache_dtype="fp8"`` plus ``additional_config=
+      {"flashrl_kv_scale": kv_scale}`` (``calibrated`` or a float), which `WeightSync` reads to set
+      the static per-layer scales at start-up and after every push (vLLM resets them to 1.0 on each
+      reload); with ``kv_scale: dynamic``, vLLM's ``fp8_per_token_head`` cache (scales per token and
+      head at write time, no calibration), which vLLM 0.32 runs only in CUDA Triton attention.
 
-    Raises ValueError for settings the vLLM backend cannot honour (fp32 LM head, calibrated KV scales).
+    Raises ValueError for settings the vLLM backend cannot honour (fp32 LM head; dynamic KV scales
+    without a CUDA device).
     """
     config = rollout_config(scheme)
     if config.lm_head_fp32:
@@ -58,14 +66,18 @@ def engine_kwargs(scheme: str | RolloutConfig | None = None) -> dict[str, Any]:
         kwargs["quantization"] = method
         if tuple(config.skip) != DEFAULT_SKIP:
             kwargs["hf_overrides"] = {"quantization_config": {"quant_method": method, "skip": list(config.skip)}}
-    if config.kv_cache_dtype == "fp8":
-        if config.kv_scale != 1.0:
+    if config.kv_cache_dtype == "fp8" and config.kv_scale == "dynamic":
+        import torch
+
+        if not torch.cuda.is_available():
             raise ValueError(
-                f"kv_cache_dtype=fp8 with kv_scale={config.kv_scale!r} is not supported by the vLLM backend yet: "
-                "vLLM resets KV-cache scales to 1.0 on every weight reload and flashrl does not recalibrate "
-                "them there yet; set kv_scale: 1.0 to use vLLM's fp8 KV cache with unit scales"
+                "kv_scale='dynamic' maps to vLLM's fp8_per_token_head KV cache, which vLLM 0.32 runs only in CUDA "
+                "Triton attention (on CPU it is accepted but gives wrong results); on CPU use kv_scale: calibrated"
             )
+        kwargs["kv_cache_dtype"] = "fp8_per_token_head"
+    elif config.kv_cache_dtype == "fp8":
         kwargs["kv_cache_dtype"] = "fp8"
+        kwargs["additional_config"] = {ADDITIONAL_CONFIG_KEY: config.kv_scale}
     return kwargs
 
 
@@ -115,6 +127,12 @@ def apply_env_config(engine_args: Any) -> list[str]:
     if "kv_cache_dtype" in wanted and engine_args.kv_cache_dtype == "auto":
         engine_args.kv_cache_dtype = wanted["kv_cache_dtype"]
         changed.append("kv_cache_dtype")
+        if "additional_config" in wanted and isinstance(engine_args.additional_config, dict):
+            engine_args.additional_config = {**wanted["additional_config"], **engine_args.additional_config}
+            changed.append("additional_config")
+            logger.warning("FLASHRL_CONFIG asks for an fp8 KV cache: flashrl's WeightSync / VLLMBackend set its scales "
+                           "at start-up and after each push; an engine whose weights are reloaded by other code runs "
+                           "with vLLM's default scales of 1.0")
     if changed:
         logger.info("FLASHRL_CONFIG set %s", ", ".join(f"{name}={getattr(engine_args, name)!r}" for name in changed))
     return changed

@@ -148,6 +148,25 @@ class FlashRLWorkerExtension:
         return {name: type(module.quant_method).__name__ for name, module in model.named_modules()
                 if isinstance(module, LinearBase)}
 
+    def flashrl_set_kv_scales(
+        self, k_scales: list[float] | float, v_scales: list[float] | float, q_scales: list[float] | float | None = None
+    ) -> int:
+        """Set the FP8 KV-cache scales of every attention layer (one value per decoder layer, or one
+        for all), in place; returns how many layers were set. vLLM resets hand-set scales to 1.0 on
+        every reload, so `WeightSync` calls this after each push."""
+        from flashrl.vllm_backend.kv_scales import set_attention_kv_scales
+
+        return set_attention_kv_scales(self.model_runner.get_model(), k_scales, v_scales, q_scales)
+
+    def flashrl_kv_scales(self) -> list[dict[str, float]]:
+        """Per decoder layer: the K, V and Q scales as vLLM's attention reads them (the device tensor
+        and the host float, which must agree)."""
+        from flashrl.vllm_backend.kv_scales import attention_layers
+
+        return [{"layer": index, "k": float(attn._k_scale), "v": float(attn._v_scale), "q": float(attn._q_scale),
+                 "k_float": attn._k_scale_float, "v_float": attn._v_scale_float}
+                for index, attn in attention_layers(self.model_runner.get_model())]
+
     def flashrl_pop_requant_stats(self) -> dict[str, float]:
         """Seconds spent re-quantizing and layers re-quantized since the last call (then reset)."""
         from flashrl.vllm_backend.quant_methods import pop_requant_stats

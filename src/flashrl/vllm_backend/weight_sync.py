@@ -17,6 +17,11 @@ Rules the push enforces, because vLLM's layerwise reload cannot recover from the
 Transport: when the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the tensors
 themselves are handed over; otherwise each chunk is written to a safetensors file in /dev/shm
 (or the temp dir) and its path is sent.
+
+FP8 KV cache: vLLM resets KV scales to 1.0 on every reload, so with an fp8 cache each push ends by
+setting them again (`flashrl.vllm_backend.kv_scales`): calibrated from the pushed weights on the
+recent rollouts (`remember_kv`), or a fixed value. A calibrated push must carry every decoder
+parameter and the embedding (checked before anything is sent).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 
 import torch
 
+from flashrl.vllm_backend.kv_scales import KVScaleSync
 from flashrl.vllm_backend.names import TRANSFER_BACKEND
 
 logger = logging.getLogger(__name__)
@@ -76,10 +82,14 @@ class WeightSync:
     """Pushes new weights into an ``LLM`` built with `engine_kwargs` (or the equivalent settings).
 
     `transport`: ``auto`` (tensors for an in-process engine, files otherwise), ``tensors`` or
-    ``file``. `tmp_dir`: where chunk files go (default /dev/shm when it exists).
+    ``file``. `tmp_dir`: where chunk files go (default /dev/shm when it exists). `kv_scale`
+    (``calibrated`` or a float) overrides the KV-scale mode `engine_kwargs` recorded for an fp8 KV
+    cache; with an fp8 cache the scales are set at construction (from the checkpoint on disk) and
+    after every push.
     """
 
-    def __init__(self, llm: Any, transport: str = "auto", tmp_dir: str | None = None) -> None:
+    def __init__(self, llm: Any, transport: str = "auto", tmp_dir: str | None = None,
+                 kv_scale: str | float | None = None) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is invalid; allowed: {', '.join(TRANSPORTS)}")
         self.llm = llm
@@ -105,15 +115,39 @@ class WeightSync:
         self.tmp_dir = tmp_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
         self.version = 0
         llm.init_weight_transfer_engine({"init_info": {}})
+        self.kv = KVScaleSync(llm, kv_scale)
+        self.kv_start_s = self.kv.start()
+
+    def remember_kv(self, sequences: Iterable[Iterable[int]]) -> None:
+        """Add recent token sequences (prompt + response, most important first) to the fp8 KV
+        calibration set (no-op without calibrated KV scales)."""
+        self.kv.remember([list(s) for s in sequences])
+
+    def calibrate_kv(self, sequences: Iterable[Iterable[int]]) -> float:
+        """Recalibrate the fp8 KV scales of the engine's start-up weights (the checkpoint on disk) on
+        `sequences`, e.g. the first real prompts; before the first push only. Returns seconds."""
+        if self.version > 0:
+            raise ValueError("calibrate_kv reads the checkpoint on disk, which the engine no longer holds after a push; "
+                             "the next push recalibrates on remember_kv's sequences")
+        if not self.kv.calibrated:
+            raise ValueError("calibrate_kv needs an fp8 KV cache with kv_scale='calibrated'")
+        from flashrl.engine.kv_calibration import checkpoint_getter
+
+        return self.kv.apply(checkpoint_getter(self.kv.model_dir), sequences=[list(s) for s in sequences])
 
     @torch.no_grad()
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> dict[str, float]:
+    def push(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None,
+        kv_sequences: Iterable[Iterable[int]] | None = None,
+    ) -> dict[str, float]:
         """Load `named_tensors` (checkpoint names, e.g. a trainer's ``named_parameters()``) into the
-        engine, re-quantizing every layer, then reset the prefix cache.
+        engine, re-quantizing every layer, set the fp8 KV scales again, then reset the prefix cache.
 
         Returns seconds: ``transfer_s`` (sending and loading, re-quantization excluded),
-        ``requant_s`` (quantizing, summed over layers; max over workers), ``reset_cache_s`` and
+        ``requant_s`` (quantizing, summed over layers; max over workers), ``kv_calibration_s``
+        (computing and setting fp8 KV scales; 0.0 without an fp8 cache), ``reset_cache_s`` and
         ``total_s``; plus ``bytes``, ``tensors``, ``chunks`` and ``layers_requantized``.
+        `kv_sequences` (token ids) replace the remembered calibration set for this push.
         A failure after the update started leaves the engine's weights undefined: push again.
         """
         from vllm.distributed.weight_transfer.base import materialize_full_tensor
@@ -122,6 +156,7 @@ class WeightSync:
         if not items:
             raise ValueError("nothing to push: no (name, tensor) pairs")
         check_fused_complete(name for name, _ in items)
+        self.kv.check_push([name for name, _ in items])
         chunks = group_by_layer(items)
         self.llm.collective_rpc("flashrl_pop_requant_stats")  # zero the counters
         start = time.perf_counter()
@@ -136,6 +171,9 @@ class WeightSync:
         self.version += 1
         self.llm.finish_weight_update(weight_version=weight_version or str(self.version))
         loaded = time.perf_counter()
+        kv_sequences = [list(s) for s in kv_sequences] if kv_sequences is not None else None
+        kv_calibration = self.kv.apply(dict(items).__getitem__, items[0][1].device, kv_sequences)
+        calibrated = time.perf_counter()
         self.llm.reset_prefix_cache()
         done = time.perf_counter()
         requant = self.llm.collective_rpc("flashrl_pop_requant_stats")
@@ -143,7 +181,8 @@ class WeightSync:
         return {
             "transfer_s": loaded - start - requant_s,
             "requant_s": requant_s,
-            "reset_cache_s": done - loaded,
+            "kv_calibration_s": kv_calibration,
+            "reset_cache_s": done - calibrated,
             "total_s": done - start,
             "bytes": float(sum(t.numel() * t.element_size() for _, t in items)),
             "tensors": float(len(items)),
