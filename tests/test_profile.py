@@ -83,6 +83,15 @@ def profiled(outlier_model, tmp_path_factory):
     return outlier_model, out, json.loads(out.read_text()), buffer.getvalue()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one thread is as fast, and it keeps the timing stable on a shared, busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ------------------------------------------------------------------------------------------------
 # the profile
 # ------------------------------------------------------------------------------------------------
@@ -152,6 +161,17 @@ def test_threshold_controls_the_recommendation(profiled):
     assert len(everything) == 2 * 4  # qkv, o, gate_up, down per layer
     assert everything[0]["engine_layer"] == OUTLIER_LAYER  # worst first
     assert sorted(n for f in everything for n in f["names"]) == sorted(e["name"] for e in doc["layers"])
+
+
+def test_long_tables_show_the_worst_tensors(profiled, monkeypatch):
+    _, _, doc, _ = profiled
+    monkeypatch.setattr("flashrl.profile.MAX_TABLE_LAYERS", 3)
+    from flashrl.profile import format_profile
+
+    text = format_profile(doc)
+    assert "the 3 worst of 14 tensors" in text
+    table = [line for line in text.splitlines() if line.startswith("| model.layers.")]
+    assert len(table) == 3 and any("layers.1.self_attn.k_proj" in line for line in table)
 
 
 def test_shard_names():
