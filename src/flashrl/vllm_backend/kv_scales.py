@@ -182,6 +182,11 @@ def set_attention_kv_scales(
             host = getattr(attn, f"_{name}_scale_cpu", None)
             if isinstance(host, torch.Tensor):
                 host.fill_(value)
+        # FlashInfer's impl folds the host floats into bmm1/bmm2 scale factors on its first forward
+        # and keeps them; forget them so the next forward folds the new scales.
+        for cached in ("bmm1_scale", "bmm2_scale"):
+            if getattr(attn.impl, cached, None) is not None:
+                setattr(attn.impl, cached, None)
     return len(layers)
 
 
