@@ -25,15 +25,6 @@ from flashrl.quant.schemes import SCHEMES
 ALLOWED_SCHEMES = "allowed: bf16, int8, fp8, fp8_channel, fp8_block or a path to a .yaml file"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is as fast, and it keeps the timing stable on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     for name in ENV_VARS:

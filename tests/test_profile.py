@@ -83,15 +83,6 @@ def profiled(outlier_model, tmp_path_factory):
     return outlier_model, out, json.loads(out.read_text()), buffer.getvalue()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is as fast, and it keeps the timing stable on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ------------------------------------------------------------------------------------------------
 # the profile
 # ------------------------------------------------------------------------------------------------

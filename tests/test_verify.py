@@ -15,15 +15,6 @@ from flashrl.verify import FAIL, PASS, SKIP, exit_code, processed_logprobs_fp64,
 CHECK_NAMES = ["gemm", "reload", "logprobs", "kv_cache", "vllm"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is as fast, and it keeps the timing stable on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def rows(results) -> dict[tuple[str, str], verify.CheckResult]:
     return {(r.check, r.scheme): r for r in results}
 
