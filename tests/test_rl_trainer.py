@@ -183,3 +183,12 @@ def test_tiny_preset_reward_rises(tmp_path, monkeypatch):
     rewards = [m["reward/mean"] for m in read_metrics(trainer.metrics_path)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.1, f"reward {first:.3f} -> {last:.3f}"
+
+
+def test_rollout_config_file_supplies_the_scheme(tmp_path):
+    from flashrl.config import RolloutConfig
+
+    path = RolloutConfig(quant="fp8_channel", skip=("lm_head", "*.down_proj")).to_yaml(tmp_path / "flashrl.yaml")
+    assert build_config("tiny-cpu", None, {"rollout_config": str(path)}).rollout_quant == "fp8_channel"
+    explicit = build_config("tiny-cpu", None, {"rollout_config": str(path), "rollout_quant": "int8"})
+    assert explicit.rollout_quant == "int8"  # an explicit flag still wins

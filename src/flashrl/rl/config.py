@@ -231,10 +231,17 @@ def build_config(preset: str | None, yaml_path: str | None, overrides: dict[str,
         raise ValueError(f"unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
     allowed = set(field_types())
     values: dict[str, Any] = dict(PRESETS[preset]) if preset else {}
+    explicit: set[str] = set()
     for source, layer in (("YAML", load_yaml(yaml_path) if yaml_path else {}), ("overrides", overrides)):
         unknown = sorted(set(layer) - allowed)
         if unknown:
             raise ValueError(f"unknown config key(s) in {source}: {', '.join(unknown)}; "
                              f"allowed: {', '.join(sorted(allowed))}")
         values.update({k: coerce(k, v) for k, v in layer.items()})
+        explicit |= set(layer)
+    if values.get("rollout_config") and "rollout_quant" not in explicit:
+        # a flashrl.yaml (from `flashrl setup`) names its scheme; a preset's default must not override it
+        from flashrl.config import resolve_config
+
+        values["rollout_quant"] = resolve_config(values["rollout_config"], source="rollout_config").quant
     return TrainConfig(**values)

@@ -188,6 +188,8 @@ class Trainer:
         return FileDataset(c.data, c.prompt_field, c.answer_field, seed=c.seed, prompt_template=c.prompt_template)
 
     def rollout_config(self) -> RolloutConfig:
+        """The engine's RolloutConfig: the `rollout_config` file (skip list, KV cache, ...) if any, with
+        this run's scheme (`rollout_quant`, which defaults to the file's scheme) and overrides."""
         c = self.config
         base = resolve_config(c.rollout_config, source="rollout_config") if c.rollout_config else RolloutConfig()
         values = {**base.to_dict(), "quant": c.rollout_quant, "lm_head_fp32": c.lm_head_fp32 or base.lm_head_fp32,
