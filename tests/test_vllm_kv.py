@@ -6,7 +6,9 @@ as vLLM's CPU attention wants, ``enforce_eager``). Accuracy is the mean |prompt 
 to the bf16-KV engine over 4 x 39 tokens (vLLM's prefill reads the fp8 cache). Measured on 2 cores:
 0.114 with calibrated scales on the base weights, 0.113 after a push that multiplies K and V by
 256 (Q and o_proj by 1/256: the same function); with the scales of before the push (stale) 1.86,
-with vLLM's 1.0 (what a reload leaves when nobody re-applies them) 0.67.
+with vLLM's 1.0 (what a reload leaves when nobody re-applies them) 0.67. The last test repeats
+the essentials in a fresh process (FLASHRL_CONFIG hook, compiled model, multiprocess engine, file
+transport).
 """
 
 from __future__ import annotations
@@ -163,3 +165,44 @@ def test_fixed_kv_scale_is_reapplied_after_every_push(setup):
     with pytest.raises(ValueError, match="kv_scale='auto' is invalid"):
         WeightSync(llm, kv_scale="auto")
     setup["backend"].sync.push(setup["state"].items())  # calibrated scales again for later tests
+
+
+def test_flashrl_config_fp8_kv_in_a_fresh_multiprocess_engine(setup, tmp_path):
+    """``FLASHRL_CONFIG`` with int8 weights and an fp8 KV cache on a plain ``LLM(model)`` (compiled
+    model, engine core in its own process): the hook builds the fp8 cache, `WeightSync` sets
+    calibrated scales at start-up and after a push sent through files, and the compiled model
+    follows scale changes."""
+    from test_vllm_processes import run_script
+
+    config = RolloutConfig(quant="int8", kv_cache_dtype="fp8").to_yaml(tmp_path / "flashrl.yaml")
+    result = run_script(tmp_path, f"""
+        import json
+        from vllm import LLM, SamplingParams
+        from flashrl.vllm_backend import WeightSync
+        from flashrl.vllm_backend.testing import load_state_dict
+
+        def greedy(llm):
+            params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+            return [list(o.outputs[0].token_ids) for o in llm.generate(["Hello world", "abc"], params, use_tqdm=False)]
+
+        if __name__ == "__main__":
+            llm = LLM({str(setup["path"])!r}, max_model_len=128, max_num_seqs=8)
+            sync = WeightSync(llm)
+            start = llm.collective_rpc("flashrl_kv_scales")[0]
+            timings = sync.push(load_state_dict({str(setup["path"])!r}).items())
+            calibrated = greedy(llm)
+            llm.collective_rpc("flashrl_set_kv_scales", args=(1e-4, 1e-4, None))
+            llm.reset_prefix_cache()
+            print("RESULT " + json.dumps({{
+                "cache_dtype": llm.llm_engine.vllm_config.cache_config.cache_dtype,
+                "quantization": llm.llm_engine.vllm_config.model_config.quantization,
+                "start": start, "after": llm.collective_rpc("flashrl_kv_scales")[0],
+                "transport": sync.transport, "kv_calibration_s": timings["kv_calibration_s"],
+                "follows_scales": greedy(llm) != calibrated,
+            }}))
+    """, env={"FLASHRL_CONFIG": str(config), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert result["cache_dtype"] == "fp8" and result["quantization"] == "flashrl_int8"
+    assert result["transport"] == "file" and result["kv_calibration_s"] > 0
+    assert all(0.001 < layer["k"] < 0.1 and 0.001 < layer["v"] < 0.1 for layer in result["start"])
+    assert all(abs(layer["k"] - 1e-4) < 1e-9 for layer in result["after"])
+    assert result["follows_scales"], "the compiled model must read the scales set after compilation"
