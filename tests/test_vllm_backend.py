@@ -299,11 +299,11 @@ def test_engine_kwargs_reads_flashrl_config(monkeypatch, tmp_path):
         "quantization_config": {"quant_method": "flashrl_int8", "skip": ["lm_head", "*.down_proj"]}}
 
 
-def test_engine_kwargs_rejects_what_vllm_cannot_do():
+def test_engine_kwargs_rejects_what_vllm_cannot_do_and_accepts_fp8_kv():
     with pytest.raises(ValueError, match="lm_head_fp32=True is not supported by the vLLM backend"):
         engine_kwargs(RolloutConfig(quant="int8", lm_head_fp32=True))
-    with pytest.raises(ValueError, match="kv_scale='calibrated' is not supported by the vLLM backend yet"):
-        engine_kwargs(RolloutConfig(kv_cache_dtype="fp8"))
+    # fp8 KV with calibrated scales is supported: WeightSync recalibrates after every push (test_vllm_kv.py)
+    assert engine_kwargs(RolloutConfig(kv_cache_dtype="fp8"))["kv_cache_dtype"] == "fp8"
     assert engine_kwargs(RolloutConfig(kv_cache_dtype="fp8", kv_scale=1.0))["kv_cache_dtype"] == "fp8"
     with pytest.raises(ValueError, match="scheme='int4' is invalid; allowed: bf16, int8"):
         engine_kwargs("int4")
