@@ -7,8 +7,10 @@ sequence frees its slot, the last active sequence moves into it (so the active s
 0..B-1) and waiting prompts are admitted. One long response therefore does not idle the batch.
 
 Randomness: each request (prompt i, sample j) draws from its own stream, seeded from
-(seed, i, j), one uniform number per token (inverse-CDF sampling). A request's tokens therefore do
-not depend on batch size or on which other requests run beside it, and seeded runs repeat exactly.
+(seed, i, j), one uniform number per token (inverse-CDF sampling). Seeded runs repeat exactly, and a
+request's tokens do not depend on which other requests share its batch, except where the numerics
+themselves depend on the batch: per-tensor `fp8` activation scales span the batch, and kernels may
+round differently at other batch sizes. Logprobs are exact for whatever was computed either way.
 
 FP8 KV cache (``kv_cache_dtype="fp8"``, docs/kv_cache.md): K and V are stored as e4m3 codes with
 fp32 scales (`flashrl.engine.kv_cache`). ``kv_scale="calibrated"`` recalibrates static scales
