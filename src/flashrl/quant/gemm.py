@@ -13,6 +13,10 @@ so the fast paths are what the CPU tests exercise. CUDA shape rules (numerics.md
 `_scaled_mm` needs K and N multiples of 16, which `check_gemm_shape` enforces at layer creation.
 The blockwise CUDA kernels are not wired in yet: on every device `fp8_block` runs the reference path
 (correct, quantized numerics, but no speed-up); this is logged once on CUDA, never silent.
+
+Activations are quantized by `primitives.quantize_activation`, which runs the fused Triton kernels of
+`flashrl.quant.kernels` on CUDA (bit-identical to the torch reference; ``FLASHRL_QUANT_KERNELS``
+switches, see docs/kernels.md) and the torch reference elsewhere.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ The rules (shared/reference/numerics.md section 2):
 Shapes not divisible by the block or group size are zero-padded for the scale computation: zeros
 leave every amax unchanged, so a trailing partial block is quantized exactly as if it were whole.
 
+`quantize_weight` and `quantize_activation` run the fused Triton kernels of `flashrl.quant.kernels`
+on CUDA tensors (same bits, one or two passes over memory; ``FLASHRL_QUANT_KERNELS`` switches, see
+`quantizer_for`); the per-granularity functions below are always the torch reference.
+
 Layouts: a weight is [N, K] (out, in), activations are [M, K]. Scales:
 per tensor ``[]``; per row ``[R, 1]``; per block ``[ceil(N/bn), ceil(K/bk)]``; per group
 ``[M, ceil(K/g)]``. All scales are float32.
@@ -26,9 +30,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from types import ModuleType, SimpleNamespace
 
 import torch
 
+from flashrl.quant import kernels as _kernels
 from flashrl.quant.schemes import AMAX_EPS, QuantScheme
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -81,7 +87,11 @@ def _abs_max(t: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch
 
 
 def _scale_from_amax(amax: torch.Tensor, qmax: float, out: torch.Tensor | None) -> torch.Tensor:
-    scale = amax.float().clamp_min(AMAX_EPS).div_(qmax)
+    # Divide by a tensor on amax's device, not by the Python float: CUDA torch turns division by a
+    # CPU scalar into a multiply by its reciprocal (rule 4), which differs from amax / qmax in the
+    # last bit for many amax (about half of them for qmax = 448).
+    scale = amax.float().clamp_min(AMAX_EPS)
+    scale = scale.div_(torch.full_like(scale, qmax))
     if out is None:
         return scale
     out.copy_(scale.reshape(out.shape))
@@ -346,6 +356,23 @@ def weight_scale_shape(scheme: QuantScheme, shape: tuple[int, int]) -> tuple[int
     raise ValueError(f"scheme {scheme.name!r} does not quantize weights")
 
 
+_REFERENCE = SimpleNamespace(
+    quantize_per_tensor=quantize_per_tensor,
+    quantize_per_row=quantize_per_row,
+    quantize_per_block=quantize_per_block,
+    quantize_per_group=quantize_per_group,
+)
+"""The torch reference implementations, as the dispatch sees them."""
+
+
+def quantizer_for(x: torch.Tensor) -> SimpleNamespace | ModuleType:
+    """The implementation that quantizes `x`: the Triton kernels (`flashrl.quant.kernels`, same
+    functions and bit-identical results) or the torch reference above. Chosen by
+    ``FLASHRL_QUANT_KERNELS`` (auto: Triton for CUDA tensors when it is installed); see
+    `flashrl.quant.kernels`. This is a speed choice, never a precision one."""
+    return _kernels if _kernels.use_triton(x) else _REFERENCE
+
+
 def quantize_weight(
     w: torch.Tensor,
     scheme: QuantScheme,
@@ -354,18 +381,21 @@ def quantize_weight(
     check_finite: bool = True,
     name: str = "weight",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2-D weight [N, K] with `scheme`'s weight granularity. Returns (codes, scales)."""
+    """Quantize a 2-D weight [N, K] with `scheme`'s weight granularity. Returns (codes, scales).
+
+    Runs the Triton kernels or the torch reference (`quantizer_for`); both give the same bits."""
     check_float_input(w, name)
+    if scheme.weight_granularity not in ("tensor", "channel", "block"):
+        raise ValueError(f"scheme {scheme.name!r} does not quantize weights")
+    impl = quantizer_for(w)
     try:
         if scheme.weight_granularity == "tensor":
-            return quantize_per_tensor(w, scheme.code_dtype, out, scale_out, check_finite)
+            return impl.quantize_per_tensor(w, scheme.code_dtype, out, scale_out, check_finite)
         if scheme.weight_granularity == "channel":
-            return quantize_per_row(w, scheme.code_dtype, out, scale_out, check_finite)
-        if scheme.weight_granularity == "block":
-            return quantize_per_block(w, scheme.code_dtype, scheme.block_size, out, scale_out, check_finite)
+            return impl.quantize_per_row(w, scheme.code_dtype, out, scale_out, check_finite)
+        return impl.quantize_per_block(w, scheme.code_dtype, scheme.block_size, out, scale_out, check_finite)
     except ValueError as err:
         raise ValueError(f"{name}: {err}") from None
-    raise ValueError(f"scheme {scheme.name!r} does not quantize weights")
 
 
 def dequantize_weight(
@@ -382,12 +412,14 @@ def quantize_activation(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activation quantization of a 2-D input [M, K] with `scheme`'s activation granularity.
 
-    Scales: ``[]`` (tensor), ``[M, 1]`` (token), ``[M, ceil(K/g)]`` (group).
+    Scales: ``[]`` (tensor), ``[M, 1]`` (token), ``[M, ceil(K/g)]`` (group). Runs the Triton
+    kernels or the torch reference (`quantizer_for`); both give the same bits.
     """
+    if scheme.activation_granularity not in ("tensor", "token", "group"):
+        raise ValueError(f"scheme {scheme.name!r} does not quantize activations")
+    impl = quantizer_for(x)
     if scheme.activation_granularity == "tensor":
-        return quantize_per_tensor(x, scheme.code_dtype, check_finite=check_finite)
+        return impl.quantize_per_tensor(x, scheme.code_dtype, check_finite=check_finite)
     if scheme.activation_granularity == "token":
-        return quantize_per_row(x, scheme.code_dtype, check_finite=check_finite)
-    if scheme.activation_granularity == "group":
-        return quantize_per_group(x, scheme.code_dtype, scheme.group_size, check_finite=check_finite)
-    raise ValueError(f"scheme {scheme.name!r} does not quantize activations")
+        return impl.quantize_per_row(x, scheme.code_dtype, check_finite=check_finite)
+    return impl.quantize_per_group(x, scheme.code_dtype, scheme.group_size, check_finite=check_finite)

@@ -1,0 +1,194 @@
+"""Triton kernels for the GPU quantization paths, and the switch that picks them.
+
+`requant` holds fused kernels whose codes and scales are bit-identical to the reference quantizer in
+`flashrl.quant.primitives` (same math, not an approximation), for every granularity: per row
+(per-channel weights, per-token activations), per tensor, 128x128 blocks and 1x128 groups.
+`primitives.quantize_weight` and `primitives.quantize_activation` (so `QuantLinear.requantize_` and
+every GEMM in `flashrl.quant.gemm`) ask `use_triton(x)` which implementation to run:
+
+- ``FLASHRL_QUANT_KERNELS=auto`` (default): Triton for CUDA tensors when `triton` imports, else the
+  torch reference. The choice is logged once per device type at INFO.
+- ``FLASHRL_QUANT_KERNELS=triton``: always the kernels; raises where they cannot run (no triton, or
+  a CPU tensor without ``TRITON_INTERPRET=1``). Never silently switches.
+- ``FLASHRL_QUANT_KERNELS=torch``: always the torch reference.
+
+`set_mode` / `mode_scope` override the environment in-process (tests, benchmarks).
+
+Where kernels run: CUDA tensors run compiled kernels; CPU tensors run under the Triton interpreter,
+which needs ``TRITON_INTERPRET=1`` in the environment at call time (Triton itself reads that
+variable only when a ``@triton.jit`` decorator runs, so this package loads `requant` twice as needed,
+once compiled and once interpreted, and picks per call: a GPU test session can run both).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "FLASHRL_QUANT_KERNELS"
+MODES = ("auto", "triton", "torch")
+
+_override: str | None = None
+_logged: set[tuple[str, str, str]] = set()
+_triton_found: bool | None = None
+
+
+def triton_available() -> bool:
+    """Whether the `triton` package is installed (checked once, without importing it)."""
+    global _triton_found
+    if _triton_found is None:
+        _triton_found = importlib.util.find_spec("triton") is not None
+    return _triton_found
+
+
+def interpreter_enabled() -> bool:
+    """Whether ``TRITON_INTERPRET`` is set to a true value (Triton's own spelling rules)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on", "y")
+
+
+def get_mode() -> str:
+    """The active mode: the in-process override, else ``FLASHRL_QUANT_KERNELS``, else ``auto``."""
+    if _override is not None:
+        return _override
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if not value:
+        return "auto"
+    if value not in MODES:
+        raise ValueError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not a kernel mode; allowed: {', '.join(MODES)}")
+    return value
+
+
+def set_mode(mode: str | None) -> None:
+    """Override ``FLASHRL_QUANT_KERNELS`` in this process (None: back to the environment)."""
+    global _override
+    if mode is not None:
+        mode = mode.strip().lower()
+        if mode not in MODES:
+            raise ValueError(f"unknown kernel mode {mode!r}; allowed: {', '.join(MODES)}")
+    _override = mode
+
+
+@contextmanager
+def mode_scope(mode: str | None) -> Iterator[None]:
+    """`set_mode` for the duration of a ``with`` block."""
+    previous = _override
+    set_mode(mode)
+    try:
+        yield
+    finally:
+        set_mode(previous)
+
+
+def unsupported_reason(x: torch.Tensor) -> str | None:
+    """Why the kernels cannot run on `x`, or None when they can."""
+    if not triton_available():
+        return "the triton package is not installed (pip install triton)"
+    if x.is_cuda or interpreter_enabled():
+        return None
+    return (f"the tensor is on {x.device}: the kernels run on CUDA tensors, or on CPU tensors under the "
+            f"Triton interpreter (TRITON_INTERPRET=1, used by the tests; not a performance path)")
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether quantizing `x` runs the Triton kernels (True) or the torch reference (False).
+
+    Raises RuntimeError when the mode is ``triton`` and the kernels cannot run on `x`.
+    """
+    mode = get_mode()
+    if mode == "torch":
+        choice = False
+    elif mode == "triton":
+        reason = unsupported_reason(x)
+        if reason is not None:
+            raise RuntimeError(f"{ENV_VAR}=triton (or set_mode('triton')) but {reason}; use 'auto' or 'torch'")
+        choice = True
+    else:
+        choice = x.is_cuda and triton_available()
+    key = (mode, x.device.type, "triton" if choice else "torch")
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("quantization kernels on %s: %s (%s=%s)", x.device.type,
+                    "Triton" if choice else "torch reference", ENV_VAR, mode)
+    return choice
+
+
+def _load(interpret: bool) -> ModuleType:
+    """`requant` with its ``@triton.jit`` functions compiled (False) or interpreted (True)."""
+    name = f"{__name__}._requant_{'interpreted' if interpret else 'compiled'}"
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    import triton
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("requant.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:  # triton >= 3.4: the decorator reads knobs.runtime.interpret
+        with knobs.runtime.scope():
+            knobs.runtime.interpret = interpret
+            spec.loader.exec_module(module)
+    else:  # older triton reads the environment in the decorator
+        saved = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = saved
+    sys.modules[name] = module
+    return module
+
+
+def kernels_for(x: torch.Tensor) -> ModuleType:
+    """The `requant` copy that runs on `x`: interpreted for CPU tensors or under TRITON_INTERPRET=1
+    (Triton's meaning of the variable), compiled otherwise. Raises where neither can run."""
+    reason = unsupported_reason(x)
+    if reason is not None:
+        raise RuntimeError(f"Triton quantization kernels cannot run: {reason}")
+    return _load(interpret=interpreter_enabled() or not x.is_cuda)
+
+
+def quantize_per_row(x: torch.Tensor, code_dtype: torch.dtype, out: torch.Tensor | None = None,
+                     scale_out: torch.Tensor | None = None, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `primitives.quantize_per_row` (bit-identical)."""
+    return kernels_for(x).quantize_per_row(x, code_dtype, out, scale_out, check_finite)
+
+
+def quantize_per_tensor(x: torch.Tensor, code_dtype: torch.dtype, out: torch.Tensor | None = None,
+                        scale_out: torch.Tensor | None = None, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `primitives.quantize_per_tensor` (bit-identical)."""
+    return kernels_for(x).quantize_per_tensor(x, code_dtype, out, scale_out, check_finite)
+
+
+def quantize_per_block(w: torch.Tensor, code_dtype: torch.dtype, block: tuple[int, int] = (128, 128),
+                       out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+                       check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `primitives.quantize_per_block` (bit-identical)."""
+    return kernels_for(w).quantize_per_block(w, code_dtype, block, out, scale_out, check_finite)
+
+
+def quantize_per_group(x: torch.Tensor, code_dtype: torch.dtype, group: int = 128,
+                       out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+                       check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `primitives.quantize_per_group` (bit-identical)."""
+    return kernels_for(x).quantize_per_group(x, code_dtype, group, out, scale_out, check_finite)
+
+
+__all__ = [
+    "ENV_VAR", "MODES", "get_mode", "interpreter_enabled", "kernels_for", "mode_scope", "quantize_per_block",
+    "quantize_per_group", "quantize_per_row", "quantize_per_tensor", "set_mode", "triton_available",
+    "unsupported_reason", "use_triton",
+]
