@@ -100,6 +100,21 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny_models, gen):
     assert len({tuple(r.response_ids) for r in a[:3]}) > 1, "the n samples of a prompt should differ"
 
 
+def test_seeded_tokens_follow_each_requests_uniform_stream(tiny_models, gen):
+    """Token t of request (i, j) is the inverse-CDF sample at uniform t of its own stream: the first
+    `max_tokens` float64 draws of a generator seeded with stream_seed(seed, i, j)."""
+    from flashrl.engine.engine import stream_seed
+    from flashrl.engine.sampler import sample
+
+    e = engine(tiny_models("qwen2"), max_batch=3)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, n=2, seed=21, ignore_eos=True)
+    for out in e.generate([random_ids(5, gen), random_ids(9, gen)], params):
+        stream = torch.Generator().manual_seed(stream_seed(21, out.prompt_index, out.sample_index))
+        uniforms = torch.rand(params.max_tokens, generator=stream, dtype=torch.float64)
+        logits = e.cached_logits([out.prompt_ids], [out.response_ids])[0]
+        assert sample(logits, params, uniforms[: len(out.response_ids)]).tokens.tolist() == out.response_ids
+
+
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (10, 1.0), (0, 0.8), (10, 0.8)])
 def test_logprobs_equal_float64_recomputation(top_k, top_p, tiny_models, gen):
     path = tiny_models("qwen2")

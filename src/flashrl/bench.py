@@ -13,6 +13,13 @@ after the weight push) and ``kv_kl``, the mean per-token KL(fp8-KV || unquantize
 next-token distributions, teacher-forced on the row's own generated sequences
 (`Engine.kv_cache_mismatch`; 0 for unquantized rows). `--kv-budget-gib` adds ``max_sequences``: how
 many sequences of prompt + output length fit in that much KV cache.
+
+Decode step (`--compile none,default,...`, `--decode-buckets`): each compile mode adds a row per
+scheme and KV dtype (``none`` is the eager step; the others are `torch.compile` modes, see
+`flashrl.engine.decode`). A compiled row warms up with one full run of the timed generate, so the
+timed run compiles nothing; ``warmup_s`` is that first run (compilation and CUDA-graph capture
+included). Eager rows warm up with 4 tokens of 4 prompts. ``decode_shapes`` counts the distinct
+(batch, attended length) shapes of the timed run's decode steps (buckets, when bucketed).
 """
 
 from __future__ import annotations
@@ -73,6 +80,10 @@ class BenchConfig:
     """Comma-separated KV-cache dtypes (bf16, fp8); every scheme runs with each."""
     kv_budget_gib: float | None = None
     """KV-cache memory budget for the ``max_sequences`` column."""
+    compile: str = "none"
+    """Comma-separated decode-step modes: ``none`` (eager) or `torch.compile` modes; every scheme runs with each."""
+    decode_buckets: bool | None = None
+    """Pad decode steps to shape buckets: None = only when compiled (the engine's default)."""
 
 
 def random_model_dir(name_or_path: str, root: Path) -> Path:
@@ -127,20 +138,41 @@ def parse_kv_dtypes(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def parse_compile_modes(text: str) -> list[str | None]:
+    """'none,default' -> [None, 'default']; raises ValueError naming the allowed modes."""
+    from flashrl.engine.decode import COMPILE_MODES
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n != "none" and n not in COMPILE_MODES]
+    if bad or not names:
+        raise ValueError(f"--compile {text!r} is invalid; allowed: a comma-separated list of none, {', '.join(COMPILE_MODES)}")
+    return [None if n == "none" else n for n in dict.fromkeys(names)]
+
+
 def _bench_engine(
-    model_dir: Path, scheme: str, cfg: BenchConfig, random: bool, prompts: list[list[int]], kv_cache_dtype: str = "bf16"
+    model_dir: Path, scheme: str, cfg: BenchConfig, random: bool, prompts: list[list[int]], kv_cache_dtype: str = "bf16",
+    compile: str | None = None,
 ) -> dict:
     device = torch.device(cfg.device) if cfg.device else None
     max_len = cfg.prompt_len + cfg.output_len
     engine = Engine(model_dir, quant=scheme, dtype=cfg.dtype, device=device, max_batch=cfg.batch, max_len=max_len,
-                    progress=False, load_weights=not random, kv_cache_dtype=kv_cache_dtype)
+                    progress=False, load_weights=not random, kv_cache_dtype=kv_cache_dtype, decode_compile=compile,
+                    decode_buckets=cfg.decode_buckets)
     if random:
         engine.init_random_weights_(seed=cfg.seed)
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
-    warm = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=cfg.seed)
-    engine.generate(prompts[: min(4, len(prompts))], warm)
     params = SamplingParams(temperature=1.0, max_tokens=cfg.output_len, ignore_eos=True, seed=cfg.seed)
+    synchronize(engine.device)
+    start = time.perf_counter()
+    if compile is None:
+        warm = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=cfg.seed)
+        engine.generate(prompts[: min(4, len(prompts))], warm)
+    else:  # every shape of the timed run: it compiles (and captures) nothing
+        engine.generate(prompts, params)
+    synchronize(engine.device)
+    warmup = time.perf_counter() - start
+    engine.decode.shapes.clear()  # count the timed run's shapes only
     before = engine.stats()
     synchronize(engine.device)
     start = time.perf_counter()
@@ -168,7 +200,12 @@ def _bench_engine(
     return dict(
         scheme=scheme,
         kv_cache_dtype=kv_cache_dtype,
+        compile=compile or "none",
+        buckets=engine.decode.buckets,
         tokens_per_s=tokens / elapsed,
+        warmup_s=warmup,
+        decode_step_ms=1e3 * (after["decode_s"] - before["decode_s"]) / max(1, after["decode_steps"] - before["decode_steps"]),
+        decode_shapes=len(engine.decode.shapes),
         ttft_s=after["prefill_s"] - before["prefill_s"],
         decode_s=after["decode_s"] - before["decode_s"],
         decode_steps=after["decode_steps"] - before["decode_steps"],
@@ -212,6 +249,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         raise ValueError("give exactly one of --model DIR or --random-weights CONFIG")
     schemes = [s.name for s in parse_scheme_list(cfg.quant)]
     kv_dtypes = parse_kv_dtypes(cfg.kv_cache_dtype)
+    modes = parse_compile_modes(cfg.compile)
     if cfg.kv_budget_gib is not None and not cfg.kv_budget_gib > 0:
         raise ValueError(f"--kv-budget-gib {cfg.kv_budget_gib} must be > 0")
     with tempfile.TemporaryDirectory() as tmp:
@@ -220,7 +258,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         gen = torch.Generator().manual_seed(cfg.seed)
         prompts = torch.randint(3, vocab, (cfg.batch, cfg.prompt_len), generator=gen).tolist()
-        rows = [_bench_engine(model_dir, scheme, cfg, random, prompts, kv) for scheme in schemes for kv in kv_dtypes]
+        rows = [_bench_engine(model_dir, scheme, cfg, random, prompts, kv, mode)
+                for scheme in schemes for kv in kv_dtypes for mode in modes]
         if cfg.hf:
             hf_dir = model_dir
             if random:
@@ -250,8 +289,9 @@ def _save_random_hf(model_dir: Path, out: Path, seed: int) -> Path:
     return out
 
 
-COLUMNS = ["scheme", "kv_cache_dtype", "tokens_per_s", "vs_first", "ttft_s", "sync_s", "requant_s", "kv_calib_s",
-           "weight_gib", "kv_gib", "max_sequences", "kv_kl", "peak_gib", "vs_floor"]
+COLUMNS = ["scheme", "kv_cache_dtype", "compile", "buckets", "tokens_per_s", "vs_first", "decode_step_ms", "decode_shapes",
+           "warmup_s", "ttft_s", "sync_s", "requant_s", "kv_calib_s", "weight_gib", "kv_gib", "max_sequences", "kv_kl",
+           "peak_gib", "vs_floor"]
 
 
 def format_rows(rows: list[dict], columns: list[str] = COLUMNS) -> str:

@@ -97,6 +97,12 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                         "kv_kl, the KL to an unquantized cache, and kv_calib_s, the scale recalibration time")
     p.add_argument("--kv-budget-gib", type=float, default=None,
                    help="KV-cache budget in GiB: report max_sequences (prompt + output length) that fit in it")
+    p.add_argument("--compile", default="none",
+                   help="comma-separated decode-step modes, each a row per scheme: none (eager) or a torch.compile mode "
+                        "(default, reduce-overhead = CUDA graphs, max-autotune, max-autotune-no-cudagraphs); compiled rows "
+                        "warm up with one full run (warmup_s)")
+    p.add_argument("--decode-buckets", choices=["auto", "on", "off"], default="auto",
+                   help="pad decode steps to shape buckets (auto: only when compiled)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
@@ -121,7 +127,8 @@ def run_bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(model=args.model, random_weights=args.random_weights, quant=args.quant, batch=args.batch,
                       prompt_len=args.prompt_len, output_len=args.output_len, device=args.device, dtype=args.dtype,
                       seed=args.seed, hf=args.hf, out=args.out, kv_cache_dtype=args.kv_cache_dtype,
-                      kv_budget_gib=args.kv_budget_gib)
+                      kv_budget_gib=args.kv_budget_gib, compile=args.compile,
+                      decode_buckets={"auto": None, "on": True, "off": False}[args.decode_buckets])
     result = bench(cfg)
     print(format_rows(result["rows"]))
     print(f"device: {result['device']}; copy bandwidth {result['copy_bandwidth_gbs']:.1f} GB/s; "

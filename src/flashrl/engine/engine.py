@@ -17,6 +17,12 @@ fp32 scales (`flashrl.engine.kv_cache`). ``kv_scale="calibrated"`` recalibrates 
 (`flashrl.engine.kv_calibration`) after every `update_weights` on the most recent generated
 sequences, and at the first generate after loading on that call's prompts; ``"dynamic"`` scales
 every token and head at write time; a float fixes every scale.
+
+Decode step (`flashrl.engine.decode`, docs/engine.md): the model part of a step runs eagerly at the
+exact batch and length by default; ``decode_buckets=True`` pads it to a few shapes, and
+``decode_compile=MODE`` compiles it with `torch.compile` (``reduce-overhead``: CUDA graphs, one per
+bucket). Sampling and the finish checks stay on the host side: one device-to-host copy of the
+sampled tokens per step; uniforms and logprobs live in per-call device tables.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flashrl.config import RolloutConfig, from_env, resolve_config
+from flashrl.engine.decode import DecodeStep
 from flashrl.engine.kv_cache import KVCache
 from flashrl.engine.kv_calibration import KVScales, RecentSequences, calibrate_model
 from flashrl.engine.model import Decoder, ForwardBatch, attention_mask
@@ -68,21 +75,39 @@ def stream_seed(seed: int, prompt_index: int, sample_index: int) -> int:
 
 
 @dataclass
+class _Tables:
+    """Per-token device tables of one `generate` call, [requests, max_tokens]: each step reads its
+    uniforms and writes its logprobs with one indexing op for the whole batch."""
+
+    uniforms: torch.Tensor | None
+    """float64 uniforms of every request's random stream (None when greedy)."""
+    logprobs: torch.Tensor
+    """fp32 processed logprobs of the sampled tokens."""
+    raw_logprobs: torch.Tensor | None
+    """fp32 raw logprobs (with ``SamplingParams.raw_logprobs``)."""
+
+
+@dataclass
 class _Request:
     prompt_index: int
     sample_index: int
     prompt_ids: list[int]
-    uniforms: torch.Tensor | None
+    index: int
+    """This request's row in `tables`."""
+    tables: _Tables
     max_new: int
     response: list[int] = field(default_factory=list)
-    logprobs: list[torch.Tensor] = field(default_factory=list)
-    raw_logprobs: list[torch.Tensor] = field(default_factory=list)
     finish_reason: str | None = None
 
     @property
     def cache_len(self) -> int:
         """Tokens already in the KV cache: the prompt and all but the last sampled token."""
         return len(self.prompt_ids) + len(self.response) - 1
+
+    @property
+    def logprobs(self) -> torch.Tensor:
+        """Processed logprobs of the tokens sampled so far (a view of the call's table)."""
+        return self.tables.logprobs[self.index, : len(self.response)]
 
 
 class Engine:
@@ -105,6 +130,8 @@ class Engine:
         kv_scale: str | float | None = None,
         kv_scale_granularity: str | None = None,
         kv_cache_memory: int | None = None,
+        decode_compile: str | None = None,
+        decode_buckets: bool | None = None,
     ) -> None:
         """Load the checkpoint in `model_dir` with weights quantized by `quant` (a scheme name, a YAML
         path or a `RolloutConfig`; default: FLASHRL_CONFIG, else bf16). `max_batch` sequences (default
@@ -115,6 +142,12 @@ class Engine:
         `kv_cache_dtype` (``bf16`` | ``fp8``) and `kv_scale` (``calibrated`` | ``dynamic`` | a positive
         float) override the config's fields; `kv_scale_granularity` (``layer``, default, or ``head``)
         picks one static scale per layer or per kv head (``dynamic`` scales are per token and head).
+
+        `decode_compile` (None: eager; ``default``, ``reduce-overhead``, ``max-autotune``,
+        ``max-autotune-no-cudagraphs``) compiles the decode step's forward with `torch.compile`;
+        ``reduce-overhead`` captures a CUDA graph per shape bucket (CUDA only). `decode_buckets` pads
+        each decode step to a small set of shapes (default: on exactly when compiled). See
+        `flashrl.engine.decode` and docs/engine.md.
         """
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
@@ -148,6 +181,8 @@ class Engine:
         self.model = Decoder(self.model_config, self.config.quant, self.config.skip, self.dtype, self.device,
                              max_len=self.max_len, lm_head_fp32=self.config.lm_head_fp32).eval()
         self.weights = WeightMap(self.model)
+        self.decode = DecodeStep(self.model, self.max_batch, self.max_len, self.device, compile=decode_compile,
+                                 buckets=decode_compile is not None if decode_buckets is None else decode_buckets)
         if load_weights:
             self.weights.load(iter_checkpoint(self.model_dir))
         self.tokenizer = _load_tokenizer(self.model_dir)
@@ -284,15 +319,12 @@ class Engine:
         if self._kv_stale:
             self.calibrate_kv(self._kv_recent.sequences() or encoded)
         base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        tables = self._tables(encoded, params, base_seed)
         queue: deque[list[_Request]] = deque()
         for i, ids in enumerate(encoded):
             group = []
             for j in range(params.n):
-                uniforms = None
-                if not params.greedy:
-                    gen = torch.Generator().manual_seed(stream_seed(base_seed, i, j))
-                    uniforms = torch.rand(params.max_tokens, generator=gen, dtype=torch.float64).to(self.device)
-                group.append(_Request(i, j, ids, uniforms, min(params.max_tokens, self.max_len - len(ids))))
+                group.append(_Request(i, j, ids, i * params.n + j, tables, min(params.max_tokens, self.max_len - len(ids))))
             for start in range(0, len(group), self.max_batch):  # n > max_batch: split the group
                 queue.append(group[start : start + self.max_batch])
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
@@ -329,7 +361,27 @@ class Engine:
         if self.kv_calibrated:
             self._remember(done)
         done.sort(key=lambda r: (r.prompt_index, r.sample_index))
-        return [self._to_rollout(r, params) for r in done]
+        logprobs = tables.logprobs.cpu() if params.logprobs else None
+        raw = tables.raw_logprobs.cpu() if tables.raw_logprobs is not None else None
+        return [self._to_rollout(r, logprobs, raw) for r in done]
+
+    def _tables(self, encoded: list[list[int]], params: SamplingParams, base_seed: int) -> _Tables:
+        """The device tables of a generate call: request (i, j) is row i * n + j, and its uniforms are
+        the draws of its own stream, seeded from (seed, i, j) (the first `max_tokens`, of which the
+        table keeps as many as the longest response can use)."""
+        rows = len(encoded) * params.n
+        width = min(params.max_tokens, self.max_len - min(len(ids) for ids in encoded))
+        uniforms = None
+        if not params.greedy:
+            uniforms = torch.empty(rows, width, dtype=torch.float64)
+            for i in range(len(encoded)):
+                for j in range(params.n):
+                    gen = torch.Generator().manual_seed(stream_seed(base_seed, i, j))
+                    uniforms[i * params.n + j] = torch.rand(params.max_tokens, generator=gen, dtype=torch.float64)[:width]
+            uniforms = uniforms.to(self.device)
+        logprobs = torch.zeros(rows, width, dtype=torch.float32, device=self.device)
+        raw = torch.zeros_like(logprobs) if params.raw_logprobs else None
+        return _Tables(uniforms, logprobs, raw)
 
     def _finish(self, request: _Request, stop_ids: set[int]) -> bool:
         if request.finish_reason is not None:
@@ -341,17 +393,20 @@ class Engine:
         return request.finish_reason is not None
 
     def _record(self, requests: list[_Request], logits: torch.Tensor, params: SamplingParams) -> None:
-        """Sample one token for each request from its row of `logits` and append it."""
-        uniforms = None
-        if not params.greedy:
-            uniforms = torch.stack([r.uniforms[len(r.response)] for r in requests])
+        """Sample one token for each request from its row of `logits` and append it.
+
+        Per step: one host-to-device copy of (table row, token index) pairs, one gather of the
+        uniforms, one scatter of the logprobs, and one device-to-host copy of the tokens (the host
+        needs them for the finish checks)."""
+        tables = requests[0].tables
+        where = torch.tensor([[r.index for r in requests], [len(r.response) for r in requests]], device=self.device)
+        uniforms = tables.uniforms[where[0], where[1]] if tables.uniforms is not None else None
         out = sample(logits, params, uniforms)
-        tokens = out.tokens.tolist()
-        for k, r in enumerate(requests):
-            r.response.append(tokens[k])
-            r.logprobs.append(out.logprobs[k])
-            if out.raw_logprobs is not None:
-                r.raw_logprobs.append(out.raw_logprobs[k])
+        tables.logprobs[where[0], where[1]] = out.logprobs
+        if tables.raw_logprobs is not None:
+            tables.raw_logprobs[where[0], where[1]] = out.raw_logprobs
+        for r, token in zip(requests, out.tokens.tolist()):
+            r.response.append(token)
         self._stats["generated_tokens"] += len(requests)
 
     def _prefill(self, groups: list[list[_Request]], active: list[_Request], cache: KVCache, params: SamplingParams) -> None:
@@ -385,20 +440,19 @@ class Engine:
         self._stats["prefill_s"] += time.perf_counter() - start
 
     def _decode_step(self, active: list[_Request], cache: KVCache, params: SamplingParams) -> None:
+        """One token for every active sequence (slot b holds active[b]); `self.decode` runs the model
+        part (bucketed and compiled when asked), then `_record` samples and appends the tokens."""
         start = time.perf_counter()
-        positions = torch.tensor([[r.cache_len] for r in active], device=self.device)
-        tokens = torch.tensor([[r.response[-1]] for r in active], device=self.device)
-        kv_length = int(positions.max()) + 1
-        mask = attention_mask(positions, kv_length, self.model_config.sliding_window)
-        batch = ForwardBatch(positions=positions, cache=cache, decode=True, kv_length=kv_length, mask=mask)
-        hidden = self.model.hidden_states(tokens, batch)
-        self._record(active, self.model.logits(hidden[:, 0]), params)
+        logits = self.decode(cache, [r.response[-1] for r in active], [r.cache_len for r in active])
+        self._record(active, logits, params)
         self._stats["decode_steps"] += 1
         self._stats["decode_s"] += time.perf_counter() - start
 
-    def _to_rollout(self, r: _Request, params: SamplingParams) -> Rollout:
-        logprobs = torch.stack(r.logprobs).tolist() if params.logprobs else []
-        raw = torch.stack(r.raw_logprobs).tolist() if r.raw_logprobs else None
+    def _to_rollout(self, r: _Request, logprobs: torch.Tensor | None, raw: torch.Tensor | None) -> Rollout:
+        """`logprobs`, `raw`: the call's tables on the host (None when not returned)."""
+        n = len(r.response)
+        logprobs = logprobs[r.index, :n].tolist() if logprobs is not None else []
+        raw = raw[r.index, :n].tolist() if raw is not None else None
         text = self.tokenizer.decode(r.response, skip_special_tokens=True) if self.tokenizer is not None else ""
         return Rollout(prompt_ids=list(r.prompt_ids), response_ids=list(r.response), text=text, logprobs=logprobs,
                        finish_reason=r.finish_reason or "length", raw_logprobs=raw,
@@ -441,7 +495,9 @@ class Engine:
     ) -> list[torch.Tensor]:
         """fp32 logits [len(response), vocab] predicting each token of each response, computed as
         `generate` computes them: a prefill of the prompt, then one decode step per response token
-        reading this engine's KV cache (so fp8 KV rounding is included)."""
+        reading this engine's KV cache (so fp8 KV rounding is included). The steps run eagerly at
+        their exact shapes whatever `decode_compile` and `decode_buckets` say (those change the
+        logits only by float rounding; docs/engine.md)."""
         pairs = self._check_pairs(prompts, responses)
         if self._kv_stale:
             self.calibrate_kv(self._kv_recent.sequences() or [p for p, _ in pairs])
@@ -609,13 +665,15 @@ class Engine:
                                        self.kv_scale_granularity or "layer")
 
     def stats(self) -> dict[str, float]:
-        """Counters and seconds since construction, memory, and the fp8 KV state: ``kv_calibrations``,
+        """Counters and seconds since construction, memory, ``decode_shapes`` (distinct decode-step
+        shapes run: buckets when bucketed), and the fp8 KV state: ``kv_calibrations``,
         ``kv_calibration_s`` (total), ``kv_calibration_last_s``, ``kv_calibration_tokens`` (last),
         ``kv_{k,v}_scale_{mean,max}`` (static scales), ``kv_clipped_values`` / ``kv_clipped_frac``
         (values beyond +-448 * scale at cache writes, clamped), ``kv_bytes_per_token`` and
         ``kv_capacity_tokens`` (max_batch * max_len)."""
         s = dict(self._stats)
         s["decode_tokens_per_s"] = s["generated_tokens"] / s["decode_s"] if s["decode_s"] else 0.0
+        s["decode_shapes"] = float(len(self.decode.shapes))
         s["weight_bytes"] = float(self.weight_nbytes())
         s["kv_cache_bytes"] = float(self.cache.nbytes()) if self.cache is not None else 0.0
         s["kv_bytes_per_token"] = float(self.kv_bytes_per_token())

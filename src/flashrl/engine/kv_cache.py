@@ -145,15 +145,24 @@ class KVCache:
 
     # ------------------------------------------------------------------ writes
 
-    def _quantize(self, x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """fp8 codes of `x` [..., heads, (T,) head_dim] (and per-token scales in token mode)."""
+    def _quantize(
+        self, x: torch.Tensor, scale: torch.Tensor | None, valid: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp8 codes of `x` [B, heads, (T,) head_dim] (and per-token scales in token mode). `valid`
+        [B] (nonzero = real row) limits the clipping counters to real rows of a padded batch."""
         if scale is None:  # token granularity: one scale per (token, head), the row amax
             codes, token_scale = quantize_per_row(x.reshape(-1, x.shape[-1]), FP8, check_finite=False)
             return codes.view(x.shape), token_scale.view(x.shape[:-1])
         groups = scale.view((-1,) + (1,) * (x.dim() - 2))  # per head (or one) over [heads, (T,) D]
         scaled = x.float() / groups
-        self.clipped += torch.count_nonzero(scaled.abs() > FP8_MAX)
-        self.written += scaled.numel()
+        clipped = scaled.abs() > FP8_MAX
+        if valid is None:
+            self.clipped += torch.count_nonzero(clipped)
+            self.written += scaled.numel()
+        else:
+            real = (valid != 0).view((-1,) + (1,) * (x.dim() - 1))
+            self.clipped += torch.count_nonzero(clipped & real)
+            self.written += torch.count_nonzero(real) * (scaled.numel() // x.shape[0])
         return _encode(scaled, FP8, torch.empty(x.shape, dtype=FP8, device=x.device)), None
 
     def write_prefill(
@@ -178,16 +187,20 @@ class KVCache:
                 stored.append(dequantize_per_tensor(codes, scale.view(-1, 1, 1), self.dtype))
         return stored[0], stored[1]
 
-    def write_decode(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_decode(
+        self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None
+    ) -> None:
         """Store one new token per active slot: k, v [B, kv_heads, head_dim] at `positions` [B] of
-        slots 0..B-1."""
+        slots 0..B-1. `valid` [B] marks the real rows of a padded (bucketed) decode batch: padding
+        rows write into their own free slots like any row (the engine gives them position 0 of a slot
+        no sequence owns) but are left out of the ``clipped`` / ``written`` counters."""
         rows = torch.arange(k.shape[0], device=k.device)
         if not self.quantized:
             self.k[layer][rows, :, positions] = k
             self.v[layer][rows, :, positions] = v
             return
         for codes_buf, token_buf, scale, x in self._parts(layer, k, v):
-            codes, token_scale = self._quantize(x, scale)
+            codes, token_scale = self._quantize(x, scale, valid)
             codes_buf[rows, :, positions] = codes
             if token_scale is not None:
                 token_buf[rows, :, positions] = token_scale
@@ -213,6 +226,12 @@ class KVCache:
             return dequantize_per_row(k, ks, self.dtype), dequantize_per_row(v, vs, self.dtype)
         ks, vs = self.k_scale[layer].view(-1, 1, 1), self.v_scale[layer].view(-1, 1, 1)
         return dequantize_per_tensor(k, ks, self.dtype), dequantize_per_tensor(v, vs, self.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache owns (codes or values, scales, counters): the decode step's state,
+        which a captured CUDA graph reads and writes at fixed addresses."""
+        scales = [t for t in (self.k_scale, self.v_scale) if t is not None]
+        return self._per_slot() + scales + [self.clipped, self.written]
 
     # ------------------------------------------------------------------ slot management
 

@@ -50,6 +50,17 @@ class ForwardBatch:
     kv_observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     """Called as ``kv_observer(layer, q, k, v)`` with q [B, heads, T, D] and k, v [B, kv_heads, T, D]
     after q/k norm and RoPE, i.e. exactly what attention uses and the cache stores (FP8 KV calibration)."""
+    row_mask: torch.Tensor | None = None
+    """Padded decode batches (shape bucketing): [B, 1, 1] in the activation dtype, 1 for real rows and
+    0 for padding rows. Every linear layer's input is multiplied by it, so padding rows enter each
+    GEMM as exact zeros and cannot move a per-tensor activation scale (the `fp8` scheme's amax spans
+    the batch); the cache counts clipping on real rows only. Multiplying by 1 is exact, so real rows
+    compute what they compute unpadded. None: no padding rows."""
+
+
+def masked_rows(x: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
+    """`x` [B, T, F] with the padding rows of a bucketed decode batch set to zero (see `ForwardBatch.row_mask`)."""
+    return x if batch is None or batch.row_mask is None else x * batch.row_mask
 
 
 def attention_mask(
@@ -113,7 +124,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary) -> torch.Tensor:
         b, t, _ = x.shape
         c = self.config
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(masked_rows(x, batch)).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(b, t, c.num_heads, c.head_dim)
         k = k.view(b, t, c.num_kv_heads, c.head_dim)
         v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
@@ -125,7 +136,8 @@ class Attention(nn.Module):
             batch.kv_observer(self.layer, q, k, v)
         cache = batch.cache
         if cache is not None and batch.decode:
-            cache.write_decode(self.layer, batch.positions[:, 0], k[:, :, 0], v[:, :, 0])
+            valid = batch.row_mask.view(-1) if batch.row_mask is not None else None
+            cache.write_decode(self.layer, batch.positions[:, 0], k[:, :, 0], v[:, :, 0], valid=valid)
             k, v = cache.read(self.layer, b, batch.kv_length)
         elif cache is not None:
             # Attention always uses K/V as the cache stores them: with an fp8 cache, the prefill too
@@ -136,7 +148,7 @@ class Attention(nn.Module):
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=batch.mask, is_causal=batch.mask is None and t > 1,
             scale=self.scale, enable_gqa=c.num_heads != c.num_kv_heads,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, c.q_size))
+        return self.o_proj(masked_rows(out.transpose(1, 2).reshape(b, t, c.q_size), batch))
 
 
 class MLP(nn.Module):
@@ -149,9 +161,9 @@ class MLP(nn.Module):
         self.down_proj = make_linear(i, h, scheme_for("mlp.down_proj", ("down_proj",)), bias=config.mlp_bias,
                                      dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(masked_rows(x, batch)).split(self.intermediate, dim=-1)
+        return self.down_proj(masked_rows(F.silu(gate) * up, batch))
 
 
 class DecoderLayer(nn.Module):
@@ -165,7 +177,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, rotary: Rotary) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), batch, rotary)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h), batch)
 
 
 class Decoder(nn.Module):
