@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import zlib
 
 import pytest
@@ -45,3 +46,20 @@ def tiny_models(tmp_path_factory):
         return cache[key]
 
     return build
+
+
+@pytest.fixture
+def flashrl_logger():
+    """The `flashrl` logger, restored (handlers, level, propagate) after the test; also checks that
+    the root logger's handlers and level are untouched."""
+    logger, root = logging.getLogger("flashrl"), logging.getLogger()
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    root_saved = (list(root.handlers), root.level)
+    yield logger
+    for handler in logger.handlers:
+        if handler not in saved[0]:
+            handler.close()
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+    assert (list(root.handlers), root.level) == root_saved, "the root logger was reconfigured"

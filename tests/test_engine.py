@@ -323,3 +323,47 @@ def test_prompt_errors(tiny_models):
         e.generate([[5, 999]])
     with pytest.raises(ValueError, match="no tokenizer"):
         e.generate(["hello"])
+
+
+# ---------------------------------------------------------------------------------------- prefill budget, progress
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "int8"])
+def test_prefill_token_budget_splits_forwards_not_results(scheme, tiny_models, gen):
+    """A budget of 20 padded tokens over prompts of 2, 13, 6, 9, 21 and 4 tokens (2 samples each, all
+    slots free): forwards [2], [13], [6, 9] (2 x 9 = 18), [21] (alone, over the budget), [4]. Outputs
+    equal one prefill of everything (per-token activations: the split changes nothing but GEMM row
+    counts)."""
+    path = tiny_models("qwen2")
+    prompts = [random_ids(n, gen) for n in (2, 13, 6, 9, 21, 4)]
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, n=2, seed=5, ignore_eos=True)
+    whole = engine(path, quant=scheme, max_batch=12)
+    split = engine(path, quant=scheme, max_batch=12, max_prefill_tokens=20)
+    a, b = whole.generate(prompts, params), split.generate(prompts, params)
+    assert [r.response_ids for r in a] == [r.response_ids for r in b]
+    assert max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra.logprobs, rb.logprobs)) < 1e-5
+    assert whole.stats()["prefill_forwards"] == 1 and split.stats()["prefill_forwards"] == 5
+    assert split.stats()["prompt_tokens"] == whole.stats()["prompt_tokens"] == 55
+
+
+def test_prefill_token_budget_validation(tiny_models):
+    for bad in (0, -3, 1.5, True, "16"):
+        with pytest.raises(ValueError, match="max_prefill_tokens=.* must be a positive int"):
+            engine(tiny_models("qwen2"), max_prefill_tokens=bad)
+
+
+def test_progress_bar_reports_tokens_per_s_before_any_sequence_finishes(tiny_models, gen, monkeypatch, capsys):
+    """Fixed-length generations finish together at the end; the bar must still show tok_s while they run
+    (the clock is faked: every perf_counter call advances 0.75 s, so the 2 s delay passes at once)."""
+    import itertools
+    import time
+
+    e = engine(tiny_models("qwen2"), progress=True)
+    clock = itertools.count(0.0, 0.75)
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    e.generate([random_ids(4, gen)] * 2, SamplingParams(max_tokens=8, seed=0, ignore_eos=True))
+    frames = capsys.readouterr().err.split("\r")
+    assert any("0/2" in f and "tok_s=" in f for f in frames), frames
+    quiet = engine(tiny_models("qwen2"), progress=False)
+    quiet.generate([random_ids(4, gen)] * 2, SamplingParams(max_tokens=8, seed=0, ignore_eos=True))
+    assert capsys.readouterr().err == ""

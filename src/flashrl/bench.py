@@ -84,6 +84,8 @@ class BenchConfig:
     """Comma-separated decode-step modes: ``none`` (eager) or `torch.compile` modes; every scheme runs with each."""
     decode_buckets: bool | None = None
     """Pad decode steps to shape buckets: None = only when compiled (the engine's default)."""
+    max_prefill_tokens: int | None = None
+    """Padded prompt tokens per prefill forward: None = the engine's default (`DEFAULT_MAX_PREFILL_TOKENS`)."""
 
 
 def random_model_dir(name_or_path: str, root: Path) -> Path:
@@ -116,17 +118,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> float:
     return 2 * nbytes * 5 / (time.perf_counter() - start)
 
 
-def _new_weights(engine: Engine, seed: int) -> list[tuple[str, torch.Tensor]]:
-    """A full set of fresh high-precision weights in HF naming (what a trainer would push)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for name in sorted(engine.weights.expected):
-        shape = engine.weights._expected_shape(engine.weights.resolve(name)[0])
-        tensor = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=gen) * 0.02
-        out.append((name, tensor.to(engine.device, engine.dtype)))
-    return out
-
-
 def parse_kv_dtypes(text: str) -> list[str]:
     """'bf16,fp8' -> ['bf16', 'fp8']; raises ValueError naming an unknown dtype."""
     from flashrl.engine.kv_cache import KV_CACHE_DTYPES
@@ -157,7 +148,7 @@ def _bench_engine(
     max_len = cfg.prompt_len + cfg.output_len
     engine = Engine(model_dir, quant=scheme, dtype=cfg.dtype, device=device, max_batch=cfg.batch, max_len=max_len,
                     progress=False, load_weights=not random, kv_cache_dtype=kv_cache_dtype, decode_compile=compile,
-                    decode_buckets=cfg.decode_buckets)
+                    decode_buckets=cfg.decode_buckets, max_prefill_tokens=cfg.max_prefill_tokens)
     if random:
         engine.init_random_weights_(seed=cfg.seed)
     if engine.device.type == "cuda":
@@ -184,7 +175,7 @@ def _bench_engine(
     kv_kl = 0.0
     if kv_cache_dtype != "bf16":
         kv_kl = engine.kv_cache_mismatch([o.prompt_ids for o in outs], [o.response_ids for o in outs])["kl"]
-    new_weights = _new_weights(engine, cfg.seed + 1)
+    new_weights = list(engine.random_weights(cfg.seed + 1))  # drawn before the timer: only the push is timed
     sync = engine.update_weights(new_weights)
     del new_weights
     kv_bytes = after["kv_cache_bytes"]
@@ -207,6 +198,7 @@ def _bench_engine(
         decode_step_ms=1e3 * (after["decode_s"] - before["decode_s"]) / max(1, after["decode_steps"] - before["decode_steps"]),
         decode_shapes=len(engine.decode.shapes),
         ttft_s=after["prefill_s"] - before["prefill_s"],
+        prefill_forwards=after["prefill_forwards"] - before["prefill_forwards"],
         decode_s=after["decode_s"] - before["decode_s"],
         decode_steps=after["decode_steps"] - before["decode_steps"],
         sync_s=sync["transfer_s"],

@@ -104,6 +104,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-buckets", choices=["auto", "on", "off"], default="auto",
                    help="pad decode steps to shape buckets (auto: only when compiled)")
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="padded prompt tokens per prefill forward (default: the engine's, 16384); bounds prefill memory")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--device", default=None)
@@ -128,7 +130,8 @@ def run_bench(args: argparse.Namespace) -> int:
                       prompt_len=args.prompt_len, output_len=args.output_len, device=args.device, dtype=args.dtype,
                       seed=args.seed, hf=args.hf, out=args.out, kv_cache_dtype=args.kv_cache_dtype,
                       kv_budget_gib=args.kv_budget_gib, compile=args.compile,
-                      decode_buckets={"auto": None, "on": True, "off": False}[args.decode_buckets])
+                      decode_buckets={"auto": None, "on": True, "off": False}[args.decode_buckets],
+                      max_prefill_tokens=args.max_prefill_tokens)
     result = bench(cfg)
     print(format_rows(result["rows"]))
     print(f"device: {result['device']}; copy bandwidth {result['copy_bandwidth_gbs']:.1f} GB/s; "

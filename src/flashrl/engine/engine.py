@@ -6,6 +6,12 @@ K/V copied to the other samples' slots. Every decode step advances all active se
 sequence frees its slot, the last active sequence moves into it (so the active set is always slots
 0..B-1) and waiting prompts are admitted. One long response therefore does not idle the batch.
 
+Prefill token budget: one prefill forward holds at most `max_prefill_tokens` padded prompt
+tokens (groups x longest prompt; default `DEFAULT_MAX_PREFILL_TOKENS`), like vLLM's
+``max_num_batched_tokens``: the admitted prompts are split over several forwards, so activation
+memory (e.g. an int8 GEMM's int32 accumulator of [tokens, 2 x intermediate]) stays bounded at large
+batches of long prompts. A single prompt longer than the budget is prefilled alone.
+
 Randomness: each request (prompt i, sample j) draws from its own stream, seeded from
 (seed, i, j), one uniform number per token (inverse-CDF sampling). Seeded runs repeat exactly, and a
 request's tokens do not depend on which other requests share its batch, except where the numerics
@@ -31,7 +37,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +57,9 @@ from flashrl.rollout import Rollout
 from flashrl.utils import synchronize
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_PREFILL_TOKENS = 16384
+"""Padded prompt tokens per prefill forward unless `Engine(max_prefill_tokens=...)` says otherwise."""
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "fp32": torch.float32, "float32": torch.float32}
@@ -132,6 +141,7 @@ class Engine:
         kv_cache_memory: int | None = None,
         decode_compile: str | None = None,
         decode_buckets: bool | None = None,
+        max_prefill_tokens: int | None = None,
     ) -> None:
         """Load the checkpoint in `model_dir` with weights quantized by `quant` (a scheme name, a YAML
         path or a `RolloutConfig`; default: FLASHRL_CONFIG, else bf16). `max_batch` sequences (default
@@ -148,6 +158,9 @@ class Engine:
         ``reduce-overhead`` captures a CUDA graph per shape bucket (CUDA only). `decode_buckets` pads
         each decode step to a small set of shapes (default: on exactly when compiled). See
         `flashrl.engine.decode` and docs/engine.md.
+
+        `max_prefill_tokens` caps the padded prompt tokens of one prefill forward (default
+        `DEFAULT_MAX_PREFILL_TOKENS`); admitted prompts beyond it are prefilled in further forwards.
         """
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
@@ -175,6 +188,12 @@ class Engine:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.max_batch = max_batch
+        if max_prefill_tokens is None:
+            max_prefill_tokens = DEFAULT_MAX_PREFILL_TOKENS
+        if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens={max_prefill_tokens!r} must be a positive int (padded prompt tokens "
+                             "per prefill forward)")
+        self.max_prefill_tokens = max_prefill_tokens
         self.progress = progress
         self.seed = seed
         start = time.perf_counter()
@@ -192,7 +211,7 @@ class Engine:
         self._kv_scales: KVScales | None = None
         self._kv_stale = self.kv_calibrated  # calibrated at the first generate, on its prompts
         self._stats = dict(load_s=time.perf_counter() - start, generate_calls=0, prompts=0, sequences=0,
-                           prompt_tokens=0, generated_tokens=0, prefill_s=0.0, decode_s=0.0, decode_steps=0,
+                           prompt_tokens=0, generated_tokens=0, prefill_forwards=0, prefill_s=0.0, decode_s=0.0, decode_steps=0,
                            weight_updates=0, transfer_s=0.0, requant_s=0.0,
                            kv_calibrations=0, kv_calibration_s=0.0, kv_calibration_last_s=0.0, kv_calibration_tokens=0)
 
@@ -212,22 +231,26 @@ class Engine:
 
     # ------------------------------------------------------------------ construction helpers
 
+    def random_weights(self, seed: int = 0, std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+        """A full set of random weights in Hugging Face naming, as a trainer would push them: N(0, std)
+        (norms 1), in the activation dtype on the engine's device. Drawn on that device (a CUDA
+        generator on GPU: a 7B-dim set takes milliseconds there instead of a minute on the host), so
+        a seed gives the same weights on every run of one device type, not across device types."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        for name in sorted(self.weights.expected):
+            shape = self.weights._expected_shape(self.weights.resolve(name)[0])
+            if name.endswith("norm.weight"):
+                yield name, torch.ones(shape, dtype=self.dtype, device=self.device)
+            else:
+                tensor = torch.randn(shape, generator=gen, device=self.device, dtype=torch.float32)
+                yield name, tensor.mul_(std).to(self.dtype)
+
     @torch.no_grad()
     def init_random_weights_(self, seed: int = 0, std: float = 0.02) -> None:
-        """Fill every weight with N(0, std) (norms with 1) through the normal update path; for
+        """Fill every weight with `random_weights(seed, std)` through the normal update path; for
         benchmarks at real model dimensions without a checkpoint."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-
-        def tensors():
-            for name in sorted(self.weights.expected):
-                shape = self.weights._expected_shape(self.weights.resolve(name)[0])
-                if name.endswith("norm.weight"):
-                    yield name, torch.ones(shape)
-                else:
-                    yield name, torch.randn(shape, generator=gen) * std
-
-        for name, tensor in tensors():
-            self.weights.apply(name, tensor.to(self.device, self.dtype if self.dtype != torch.float32 else torch.float32))
+        for name, tensor in self.random_weights(seed, std):
+            self.weights.apply(name, tensor)
         self._kv_stale = self.kv_calibrated
 
     # ------------------------------------------------------------------ generation
@@ -331,13 +354,12 @@ class Engine:
         active: list[_Request] = []
         done: list[_Request] = []
         total = len(encoded) * params.n
-        bar = tqdm(total=total, unit="seq", desc="generate", delay=2.0, disable=not self.progress, leave=False)
+        bar_delay = 2.0  # seconds before the bar appears (short calls print nothing)
+        bar = tqdm(total=total, unit="seq", desc="generate", delay=bar_delay, disable=not self.progress, leave=False)
         generated_before = self._stats["generated_tokens"]
-        start_time = time.perf_counter()
+        start_time = shown = time.perf_counter()
         while queue or active:
-            admitted: list[list[_Request]] = []
-            while queue and len(queue[0]) <= self.max_batch - len(active) - sum(map(len, admitted)):
-                admitted.append(queue.popleft())
+            admitted = self._admit(queue, self.max_batch - len(active))
             if admitted:
                 self._prefill(admitted, active, cache, params)
             else:
@@ -350,10 +372,15 @@ class Engine:
                     cache.move_slot(last, k, active[last].cache_len + 1)
                     active[k] = active[last]
                 active.pop()
-            if finished:
-                bar.update(len(finished))
-                elapsed = time.perf_counter() - start_time
-                bar.set_postfix(tok_s=f"{(self._stats['generated_tokens'] - generated_before) / max(elapsed, 1e-9):.0f}", refresh=False)
+            now = time.perf_counter()
+            if finished or now - shown >= 1.0:  # tokens/s at least every second, also while nothing finishes
+                rate = (self._stats["generated_tokens"] - generated_before) / max(now - start_time, 1e-9)
+                bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
+                if finished:
+                    bar.update(len(finished))
+                elif now - start_time >= bar_delay:
+                    bar.refresh()
+                shown = now
         bar.close()
         self._stats["generate_calls"] += 1
         self._stats["prompts"] += len(encoded)
@@ -364,6 +391,22 @@ class Engine:
         logprobs = tables.logprobs.cpu() if params.logprobs else None
         raw = tables.raw_logprobs.cpu() if tables.raw_logprobs is not None else None
         return [self._to_rollout(r, logprobs, raw) for r in done]
+
+    def _admit(self, queue: deque[list[_Request]], free_slots: int) -> list[list[_Request]]:
+        """Pop the waiting groups that the next prefill forward takes: in order, while their samples
+        fit in `free_slots` and the padded prompt tokens (groups x longest prompt) stay within
+        `max_prefill_tokens` (the first group always goes, however long its prompt)."""
+        admitted: list[list[_Request]] = []
+        width = 0
+        while queue and len(queue[0]) <= free_slots:
+            new_width = max(width, len(queue[0][0].prompt_ids))
+            if admitted and new_width * (len(admitted) + 1) > self.max_prefill_tokens:
+                break
+            group = queue.popleft()
+            admitted.append(group)
+            free_slots -= len(group)
+            width = new_width
+        return admitted
 
     def _tables(self, encoded: list[list[int]], params: SamplingParams, base_seed: int) -> _Tables:
         """The device tables of a generate call: request (i, j) is row i * n + j, and its uniforms are
@@ -437,6 +480,7 @@ class Engine:
         self._record(requests, logits[rows], params)
         active.extend(requests)
         self._stats["prompt_tokens"] += sum(lengths)
+        self._stats["prefill_forwards"] += 1
         self._stats["prefill_s"] += time.perf_counter() - start
 
     def _decode_step(self, active: list[_Request], cache: KVCache, params: SamplingParams) -> None:
