@@ -367,3 +367,59 @@ def test_progress_bar_reports_tokens_per_s_before_any_sequence_finishes(tiny_mod
     quiet = engine(tiny_models("qwen2"), progress=False)
     quiet.generate([random_ids(4, gen)] * 2, SamplingParams(max_tokens=8, seed=0, ignore_eos=True))
     assert capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------------------------------- attention
+
+
+def reference_attention(q, k, v, mask):
+    """float64 softmax(q k^T / sqrt(D) + mask) v with K/V repeated per query head (GQA by definition)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.double().repeat_interleave(group, dim=1) for x in (k, v))
+    scores = q.double() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (28, 4)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_attend_equals_float64_reference(heads, kv_heads, dtype, tol, gen):
+    """Decode (grouped form) over strided cache slices with per-row lengths, a padding row that sees
+    key 0 only and a sliding window; prefill (causal). bf16 tolerance: output rounding (2^-8 relative)."""
+    from flashrl.engine.model import attend, attention_mask
+
+    b, d, max_len, s = 5, 32, 40, 24
+    cache_k, cache_v = (torch.randn(b + 2, kv_heads, max_len, d, generator=gen).to(dtype) for _ in range(2))
+    k, v = cache_k[:b, :, :s], cache_v[:b, :, :s]  # views, as KVCache.read returns them
+    q = torch.randn(b, heads, 1, d, generator=gen).to(dtype)
+    positions = torch.tensor([[23], [0], [10], [17], [5]])
+    for window in (None, 6):
+        mask = attention_mask(positions, s, window)
+        got = attend(q, k, v, mask, d**-0.5)
+        assert got.shape == (b, heads, 1, d) and got.dtype == dtype
+        assert (got.double() - reference_attention(q, k, v, mask)).abs().max() < tol
+    prompt_q = torch.randn(2, heads, 9, d, generator=gen).to(dtype)
+    got = attend(prompt_q, k[:2, :, :9], v[:2, :, :9], None, d**-0.5)
+    assert (got.double() - reference_attention(prompt_q, k[:2, :, :9], v[:2, :, :9], None)).abs().max() < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_attention_never_takes_the_math_kernel(tiny_models, gen):
+    """With SDPA's math kernel disabled, prefill (causal: flash, GQA) and decode (grouped form with a mask:
+    memory-efficient or cuDNN) still run, eager at exact shapes and bucketed; logprobs match an fp32 engine."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    path = tiny_models("qwen2")  # 4 heads over 2 kv heads
+    prompts = [random_ids(n, gen) for n in (3, 17, 8)]
+    params = SamplingParams(temperature=0.9, max_tokens=12, seed=0, ignore_eos=True)
+    fast = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    reference = engine(path, device="cuda")
+    for buckets in (False, True):
+        e = engine(path, dtype="bf16", device="cuda", max_batch=8, decode_buckets=buckets)
+        with sdpa_kernel(fast):
+            outs = e.generate(prompts, params)
+        for r in outs:
+            scored = reference.score(r.prompt_ids, r.response_ids, temperature=0.9)
+            assert max(abs(x - y) for x, y in zip(r.logprobs, scored)) < 0.1  # bf16 vs fp32 engine

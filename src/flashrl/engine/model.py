@@ -75,6 +75,28 @@ def attention_mask(
     return mask
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention output [B, heads, T, D] for q [B, heads, T, D] and k, v [B, kv_heads, S, D] (GQA: each
+    kv head serves heads // kv_heads consecutive query heads); `mask` [B or 1, 1, T, S] (True =
+    attend) or None for causal.
+
+    Decode (T == 1) with GQA runs grouped: the query heads of one kv head become that kv head's query
+    rows, q viewed as [B, kv_heads, group, D] against k, v as they are, so SDPA sees no GQA. On CUDA,
+    PyTorch's SDPA supports GQA only in its flash kernel, which takes no mask, and in its math
+    kernel, which copies K and V `group` times (in fp32 for bf16 inputs) at every step; the grouped
+    form with a mask can run the memory-efficient (or cuDNN) kernel over the cache as stored. On the
+    CPU both forms run at the same speed (tiny-bench decode, within run-to-run noise); one form on
+    every device keeps the path the CPU tests check the one a GPU runs. Same result as the GQA call
+    up to float summation order (tests/test_engine.py::test_attend_equals_float64_reference)."""
+    b, heads, t, d = q.shape
+    kv_heads = k.shape[1]
+    if t == 1 and heads != kv_heads:
+        out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, heads // kv_heads, d), k, v, attn_mask=mask, scale=scale)
+        return out.reshape(b, heads, 1, d)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1, scale=scale,
+                                          enable_gqa=heads != kv_heads)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -144,10 +166,7 @@ class Attention(nn.Module):
             # attends over the dequantized codes, so a token's logits do not depend on whether it was
             # prefilled or decoded (as in vLLM, whose prefill reads the cache). Q is never quantized.
             k, v = cache.write_prefill(self.layer, batch.slots, k, v)
-        out = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=batch.mask, is_causal=batch.mask is None and t > 1,
-            scale=self.scale, enable_gqa=c.num_heads != c.num_kv_heads,
-        )
+        out = attend(q, k.to(q.dtype), v.to(q.dtype), batch.mask, self.scale)
         return self.o_proj(masked_rows(out.transpose(1, 2).reshape(b, t, c.q_size), batch))
 
 
