@@ -84,3 +84,16 @@ def test_bench_cli_rejects_unknown_schemes(tiny_models, capsys):
     assert main(["bench", "--model", str(tiny_models("qwen2")), "--quant", "bf16,int9", "--out", ""]) == 2
     err = capsys.readouterr().err
     assert "int9" in err and "fp8_channel" in err
+
+
+def test_bench_random_weights_with_transformers_row(tmp_path, capsys):
+    """`--random-weights` builds the engine and the `transformers` model from the named dimensions, with
+    nothing downloaded or saved; both generate exactly batch x output-len tokens."""
+    out = tmp_path / "bench.json"
+    args = ["bench", "--random-weights", "tiny-bench", "--quant", "int8", "--batch", "2", "--prompt-len", "4",
+            "--output-len", "3", "--device", "cpu", "--hf", "--out", str(out)]
+    assert main(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["scheme"] for r in rows] == ["int8", "transformers"]
+    assert all(r["tokens"] == 2 * 3 and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["weight_gib"] > 0 and rows[1]["vs_first"] == pytest.approx(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"])

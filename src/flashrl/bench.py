@@ -24,6 +24,7 @@ included). Eager rows warm up with 4 tokens of 4 prompts. ``decode_shapes`` coun
 
 from __future__ import annotations
 
+import gc
 import json
 import tempfile
 import time
@@ -216,11 +217,21 @@ def _bench_engine(
     )
 
 
-def _bench_hf(model_dir: Path, cfg: BenchConfig, prompts: list[list[int]]) -> dict:
+def _bench_hf(model_dir: Path, cfg: BenchConfig, prompts: list[list[int]], random: bool) -> dict:
+    """`transformers` generate on the same prompts; with `random`, a model built from the config
+    directly on the device (transformers' own random init: throughput does not depend on the values,
+    and at 7B dims this skips a CPU init and a 15 GB save and load)."""
     import transformers
 
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(cfg.dtype)).to(device).eval()
+    dtype = resolve_dtype(cfg.dtype)
+    if random:
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        torch.manual_seed(cfg.seed)
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     ids = torch.tensor(prompts, device=device)
     kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=cfg.output_len,
                   min_new_tokens=cfg.output_len, pad_token_id=0)
@@ -250,13 +261,14 @@ def run_bench(cfg: BenchConfig) -> dict:
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         gen = torch.Generator().manual_seed(cfg.seed)
         prompts = torch.randint(3, vocab, (cfg.batch, cfg.prompt_len), generator=gen).tolist()
-        rows = [_bench_engine(model_dir, scheme, cfg, random, prompts, kv, mode)
-                for scheme in schemes for kv in kv_dtypes for mode in modes]
+        rows = []
+        for scheme in schemes:
+            for kv in kv_dtypes:
+                for mode in modes:
+                    rows.append(_bench_engine(model_dir, scheme, cfg, random, prompts, kv, mode))
+                    _release_memory()  # the last row's engine (a compiled one holds itself in a cycle)
         if cfg.hf:
-            hf_dir = model_dir
-            if random:
-                hf_dir = _save_random_hf(model_dir, Path(tmp) / "hf", cfg.seed)
-            rows.append(_bench_hf(hf_dir, cfg, prompts))
+            rows.append(_bench_hf(model_dir, cfg, prompts, random))
     device = torch.device(rows[0]["_device"])
     bandwidth = copy_bandwidth(device)
     base = rows[0]["tokens_per_s"]
@@ -272,13 +284,11 @@ def run_bench(cfg: BenchConfig) -> dict:
                 torch=torch.__version__, rows=rows)
 
 
-def _save_random_hf(model_dir: Path, out: Path, seed: int) -> Path:
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    torch.manual_seed(seed)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    return out
+def _release_memory() -> None:
+    """Free what the previous row held before the next one allocates (7B-dim rows on one GPU)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 COLUMNS = ["scheme", "kv_cache_dtype", "compile", "buckets", "tokens_per_s", "vs_first", "decode_step_ms", "decode_shapes",
