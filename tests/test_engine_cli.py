@@ -11,6 +11,7 @@ import json
 import pytest
 
 from flashrl.cli import main
+from flashrl.config import ENV_VARS
 from flashrl.engine import Engine
 
 PROMPTS = ("5,9,17,33", "40,41")
@@ -19,7 +20,7 @@ PROMPTS = ("5,9,17,33", "40,41")
 @pytest.fixture(autouse=True)
 def _restore_logger(flashrl_logger, monkeypatch):
     """main() configures the `flashrl` logger and reads FLASHRL_*: keep both out of other tests."""
-    for name in ("FLASHRL_CONFIG", "FLASHRL_LMHEAD_FP32", "FLASHRL_LOGGING_LEVEL", "FLASHRL_LOGGING_FILE"):
+    for name in ENV_VARS:
         monkeypatch.delenv(name, raising=False)
 
 

@@ -233,9 +233,9 @@ class Engine:
 
     def random_weights(self, seed: int = 0, std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
         """A full set of random weights in Hugging Face naming, as a trainer would push them: N(0, std)
-        (norms 1), in the activation dtype on the engine's device. Drawn on that device (a CUDA
-        generator on GPU: a 7B-dim set takes milliseconds there instead of a minute on the host), so
-        a seed gives the same weights on every run of one device type, not across device types."""
+        (norms 1), in the activation dtype on the engine's device. Drawn on that device (no host
+        generation and copy of a 7B-dim set on GPU), so a seed gives the same weights on every run of
+        one device type, not across device types."""
         gen = torch.Generator(device=self.device).manual_seed(seed)
         for name in sorted(self.weights.expected):
             shape = self.weights._expected_shape(self.weights.resolve(name)[0])
