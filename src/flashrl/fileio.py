@@ -1,0 +1,56 @@
+"""Atomic file writes: a reader (or a crash) sees the old file or the new one, never a half-written one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # read once at import: os.umask can only be read by setting it
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` via a temporary file in the same directory: write, fsync, rename over
+    `path`, fsync the directory. On any error the previous `path` is untouched and the temporary
+    file is removed; the error propagates."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode & 0o777  # keep an existing file's permissions
+    except OSError:
+        mode = 0o666 & ~_UMASK  # what open() would give a new file (mkstemp's is 0o600)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """`atomic_write_bytes` of `text` encoded as UTF-8."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename durable; a no-op where directories cannot be opened (Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
