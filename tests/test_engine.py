@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from flashrl.engine import Engine, SamplingParams
+from flashrl.errors import CheckpointError, WeightError
 from flashrl.testing import FAMILIES, save_tiny_model
 from test_sampler import reference_processed_logprobs
 
@@ -263,11 +264,11 @@ def test_bad_updates_leave_engine_unchanged(tiny_models, gen):
     ids = random_ids(10, gen)
     before = e.logits(ids)
     good = ("model.layers.0.mlp.down_proj.weight", torch.randn(64, 128, generator=gen))
-    with pytest.raises(KeyError, match="unexpected tensor 'model.layers.0.mlp.fc1.weight'"):
+    with pytest.raises(WeightError, match="unexpected tensor 'model.layers.0.mlp.fc1.weight'"):
         e.update_weights([good, ("model.layers.0.mlp.fc1.weight", torch.zeros(3))])
     with pytest.raises(ValueError, match=r"shape \(64, 127\); expected \(64, 128\)"):
         e.update_weights([good, ("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 127))])
-    with pytest.raises(TypeError, match="floating-point"):
+    with pytest.raises(WeightError, match="dtype torch.int8; allowed: float32"):
         e.update_weights([("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 128, dtype=torch.int8))])
     assert torch.equal(e.logits(ids), before)
 
@@ -298,7 +299,7 @@ def test_missing_tensor_in_checkpoint(tmp_path, gen):
     tensors = load_file(path / "model.safetensors")
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(KeyError, match=r"missing 1 tensor\(s\): model.layers.1.mlp.down_proj.weight"):
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): model.layers.1.mlp.down_proj.weight"):
         Engine(path)
 
 

@@ -51,7 +51,8 @@ from flashrl.engine.kv_calibration import KVScales, RecentSequences, calibrate_m
 from flashrl.engine.model import Decoder, ForwardBatch, attention_mask
 from flashrl.engine.model_config import ModelConfig
 from flashrl.engine.sampler import SamplingParams, replay_processed_logprobs, sample
-from flashrl.engine.weights import WeightMap, iter_checkpoint
+from flashrl.engine.weights import WeightMap
+from flashrl.errors import WeightError
 from flashrl.quant.linear import QuantLinear
 from flashrl.rollout import Rollout
 from flashrl.utils import synchronize
@@ -203,7 +204,7 @@ class Engine:
         self.decode = DecodeStep(self.model, self.max_batch, self.max_len, self.device, compile=decode_compile,
                                  buckets=decode_compile is not None if decode_buckets is None else decode_buckets)
         if load_weights:
-            self.weights.load(iter_checkpoint(self.model_dir))
+            self.weights.load_checkpoint(self.model_dir)
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.model_dir, self.model_config, self.tokenizer)
         self.cache: KVCache | None = None
@@ -656,8 +657,10 @@ class Engine:
         """Load new weights by Hugging Face name, in any order and grouping (q, k and v may come in
         separate calls); quantized layers are re-quantized in place with fresh scales.
 
-        Every name and shape is checked before anything is written, so a bad update leaves the
-        engine unchanged. Returns timings in seconds (``transfer_s`` to the device, ``requant_s``,
+        Every tensor is validated before anything is written (name, shape, a float32 / bfloat16 /
+        float16 / float64 dtype, not on the meta device, no NaN or Inf: `WeightMap.check`), so a bad
+        update raises a `WeightError` naming the tensor and leaves every engine tensor as it was.
+        Validation reads each tensor twice (amax, amin) and copies nothing. Returns timings in seconds (``transfer_s`` to the device, ``requant_s``,
         ``kv_calibration_s``: recalibrating fp8 KV scales, 0.0 when there is nothing to calibrate)
         and, with `count_changed`, the fraction of quantized codes that changed.
 
@@ -666,18 +669,25 @@ class Engine:
         one call rather than tensor by tensor.
         """
         items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-        for name, tensor in items:
-            self.weights.check(name, tensor)
+        for i, item in enumerate(items):
+            if not isinstance(item, tuple | list) or len(item) != 2:
+                raise WeightError(f"update_weights item {i} must be a (name, tensor) pair, got {type(item).__name__}")
+            self.weights.check(*item)
         start = time.perf_counter()
         transfer = requant = 0.0
         changed = 0
-        for name, tensor in items:
+        for done, (name, tensor) in enumerate(items):
             t0 = time.perf_counter()
-            on_device = tensor.detach().to(self.device, non_blocking=True)
-            synchronize(self.device)
-            t1 = time.perf_counter()
-            changed += self.weights.apply(name, on_device, count_changed=count_changed)
-            synchronize(self.device)
+            try:
+                on_device = tensor.detach().to(self.device, non_blocking=True)
+                synchronize(self.device)
+                t1 = time.perf_counter()
+                changed += self.weights.apply(name, on_device, count_changed=count_changed, checked=True)
+                synchronize(self.device)
+            except Exception as err:  # validated, so only the device can fail here (e.g. out of memory)
+                err.add_note(f"update_weights failed at tensor {name!r} after writing {done} of {len(items)} "
+                             "tensors: the engine holds a partial update; send the whole update again")
+                raise
             transfer += t1 - t0
             requant += time.perf_counter() - t1
         self._stats["weight_updates"] += 1

@@ -15,10 +15,17 @@ name resolves to a `Target` (engine module, which shard of a fused layer, weight
 
 With tied embeddings `lm_head.weight` is optional and `model.embed_tokens.weight` also feeds the
 head (a separate fp32 copy when `lm_head_fp32`). `*.rotary_emb.inv_freq` buffers are ignored.
+
+Validation (`WeightMap.check`) runs before anything is written and refuses a tensor with a
+`WeightError` naming it: an unknown name, something that is not a dense tensor, a dtype other than
+float32 / bfloat16 / float16 / float64, a meta tensor, a wrong shape, or any NaN / Inf value (two
+reductions, amax and amin, which NaN and Inf reach; no copy of the tensor). Damaged checkpoint files
+raise a `CheckpointError` naming the file.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -26,15 +33,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from flashrl.engine.model import GATE_UP_SHARDS, QKV_SHARDS, Decoder
+from flashrl.errors import CheckpointError, WeightError
 from flashrl.quant.linear import QuantLinear
 
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _FUSED = {name: ("self_attn.qkv_proj", i) for i, name in enumerate(QKV_SHARDS)} | {
     name: ("mlp.gate_up_proj", i) for i, name in enumerate(GATE_UP_SHARDS)
 }
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""What a weight update or checkpoint tensor may hold (float8 codes and integers are refused)."""
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -42,12 +52,7 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     path = Path(model_dir)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / s for s in shards]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} names shard file(s) that do not exist: {', '.join(missing)}")
-        return files
+        return _index_shards(index)
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
@@ -60,12 +65,39 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     )
 
 
+def _index_shards(index: Path) -> list[Path]:
+    """The shard files `index` (model.safetensors.index.json) names, checked to exist."""
+    try:
+        raw = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{index} is not valid JSON ({err})") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index} must be a JSON object whose \"weight_map\" maps tensor names to shard files")
+    files = [index.parent / s for s in sorted(set(weight_map.values()))]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{index} names shard file(s) that do not exist: {', '.join(missing)}")
+    return files
+
+
+def iter_checkpoint_files(model_dir: str | Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """Yield (file, name, tensor) one tensor at a time, file by file (peak memory: one tensor). A file
+    that is empty, truncated or not safetensors raises a `CheckpointError` naming it."""
+    for file in checkpoint_files(model_dir):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    tensor = handle.get_tensor(name)
+                    yield file, name, tensor
+        except SafetensorError as err:  # header: empty, truncated, not safetensors; data: out of bounds
+            raise CheckpointError(f"{file} is not a readable safetensors file ({err}); re-save or re-download it") from None
+
+
 def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one tensor at a time, file by file (peak memory: one tensor)."""
-    for file in checkpoint_files(model_dir):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+    for _, name, tensor in iter_checkpoint_files(model_dir):
+        yield name, tensor
 
 
 @dataclass(frozen=True)
@@ -106,11 +138,14 @@ class WeightMap:
         return names
 
     def resolve(self, name: str) -> list[Target]:
-        """The engine target(s) of HF tensor `name`; raises KeyError naming it when unknown."""
-        if name not in self.expected and not (name == "lm_head.weight" and self.model.config.tie_word_embeddings):
-            close = sorted(n for n in self.expected if n.rsplit(".", 2)[-2:] == name.rsplit(".", 2)[-2:])[:3]
+        """The engine target(s) of HF tensor `name`; raises a `WeightError` naming it when unknown."""
+        if not isinstance(name, str) or (
+            name not in self.expected and not (name == "lm_head.weight" and self.model.config.tie_word_embeddings)
+        ):
+            close = difflib.get_close_matches(name, sorted(self.expected), n=3) if isinstance(name, str) else []
             hint = f"; similar expected names: {', '.join(close)}" if close else ""
-            raise KeyError(f"unexpected tensor {name!r} for a {self.model.config.family} model{hint}")
+            raise WeightError(f"unexpected tensor {name!r} for a {self.model.config.family} model "
+                              f"({self.model.config.num_layers} layers){hint}")
         module, _, kind = name.rpartition(".")
         if name == "model.embed_tokens.weight":
             targets = [Target("embed_tokens", "param")]
@@ -129,16 +164,25 @@ class WeightMap:
     def _module(self, target: Target) -> torch.nn.Module:
         return self.modules[target.module]
 
-    def check(self, name: str, tensor: torch.Tensor) -> list[Target]:
-        """Resolve `name` and check `tensor`'s shape and dtype against its target, without writing."""
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-            raise TypeError(f"tensor {name!r} must be a floating-point torch.Tensor, got "
-                            f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
+    def check(self, name: str, tensor: torch.Tensor, finite: bool = True) -> list[Target]:
+        """Resolve `name` and validate `tensor` for it without writing anything: a dense tensor of a
+        `WEIGHT_DTYPES` dtype, not on the meta device, of the target's shape and (with `finite`)
+        without NaN or Inf. Raises a `WeightError` naming the tensor and what is allowed."""
         targets = self.resolve(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightError(f"tensor {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.layout != torch.strided:
+            raise WeightError(f"tensor {name!r} has layout {tensor.layout}; only dense (strided) tensors are allowed")
+        if tensor.dtype not in WEIGHT_DTYPES:
+            raise WeightError(f"tensor {name!r} has dtype {tensor.dtype}; allowed: float32, bfloat16, float16 or float64")
+        if tensor.is_meta:
+            raise WeightError(f"tensor {name!r} is on the meta device (it has no data); send materialised tensors")
         for target in targets:
             expected = self._expected_shape(target)
             if tuple(tensor.shape) != expected:
-                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}; expected {expected}")
+                raise WeightError(f"tensor {name!r} has shape {tuple(tensor.shape)}; expected {expected}")
+        if finite:
+            check_finite(name, tensor)
         return targets
 
     def _expected_shape(self, target: Target) -> tuple[int, ...]:
@@ -149,11 +193,12 @@ class WeightMap:
         return (rows, module.in_features) if target.kind == "weight" else (rows,)
 
     @torch.no_grad()
-    def apply(self, name: str, tensor: torch.Tensor, count_changed: bool = False) -> int:
-        """Write one HF tensor into the engine in place; with `count_changed`, returns how many
-        quantized codes changed (0 for layers kept in high precision)."""
+    def apply(self, name: str, tensor: torch.Tensor, count_changed: bool = False, checked: bool = False) -> int:
+        """Write one HF tensor into the engine in place (validated first unless `checked`: the caller
+        ran `check` on it); with `count_changed`, returns how many quantized codes changed (0 for
+        layers kept in high precision)."""
         changed = 0
-        for target in self.check(name, tensor):
+        for target in self.resolve(name) if checked else self.check(name, tensor):
             module = self._module(target)
             if target.kind == "param":
                 module.weight.copy_(tensor)
@@ -164,15 +209,42 @@ class WeightMap:
                 module.set_bias_(tensor.to(module.bias.dtype), shard=target.shard)
         return changed
 
-    def load(self, tensors: Iterable[tuple[str, torch.Tensor]], progress: bool = False) -> None:
-        """Strict load of a whole checkpoint: unknown names raise at once, missing names at the end."""
+    def load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Strict load of a whole checkpoint: unknown names raise at once, missing names at the end
+        (a `CheckpointError`)."""
+        self._load((None, name, tensor) for name, tensor in tensors)
+
+    def load_checkpoint(self, model_dir: str | Path) -> None:
+        """`load` from the safetensors files of `model_dir`; errors name the file and the tensor."""
+        self._load(iter_checkpoint_files(model_dir), source=str(model_dir))
+
+    def _load(self, items: Iterable[tuple[Path | None, str, torch.Tensor]], source: str = "checkpoint") -> None:
         seen: set[str] = set()
-        for name, tensor in tensors:
+        for file, name, tensor in items:
             if IGNORED.match(name):
                 continue
-            self.apply(name, tensor)
+            try:
+                self.apply(name, tensor)
+            except WeightError as err:
+                raise WeightError(f"{file}: {err}" if file is not None else str(err)) from None
             seen.add(name)
         missing = sorted(self.expected - seen)
         if missing:
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-            raise KeyError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}{more}")
+            raise CheckpointError(f"{source} is missing {len(missing)} tensor(s): {', '.join(missing[:8])}{more}")
+
+
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    """Raise a `WeightError` if `tensor` holds NaN or Inf. amax and amin are two reductions without a
+    temporary the size of the tensor; NaN propagates into both and an Inf is one of them, so the
+    common (finite) path costs one small device-to-host copy. The full count runs only on failure."""
+    if tensor.numel() == 0:
+        return
+    ends = torch.stack([tensor.amax(), tensor.amin()])
+    if bool(torch.isfinite(ends).all()):
+        return
+    bad = ~torch.isfinite(tensor)
+    count = int(bad.sum())
+    first = tuple(int(i) for i in bad.nonzero()[0].tolist())
+    raise WeightError(f"tensor {name!r} contains {count} non-finite value(s) (NaN or Inf), first at index {first}; "
+                      f"weights must be finite")
