@@ -16,11 +16,17 @@ from typing import Any, get_type_hints
 import yaml
 
 from flashrl.correction import CorrectionConfig
+from flashrl.errors import ConfigError
 from flashrl.quant.schemes import SCHEMES
 from flashrl.rl.algo import ADVANTAGES
 from flashrl.rl.rewards import REWARDS
 
 BACKENDS = ("builtin", "vllm")
+# fields a resumed run may change freely: the length of the run, the learning rate, where outputs go
+# and how the work is laid out on the machine; every other field changes what the run computes and
+# must match the checkpoint's config unless named in resume_allow_changes
+RESUME_FREE_FIELDS = ("steps", "lr", "output_dir", "save_every", "keep_last", "resume", "resume_allow_changes",
+                      "overwrite", "plot", "compare", "device", "max_batch", "micro_batch_size", "vllm_kwargs")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 CORRECTION_WEIGHTS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis")
 
@@ -101,8 +107,16 @@ class TrainConfig:
     output_dir: str = "runs/flashrl"
     save_every: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
+    keep_last: int | None = None
+    """Keep only the N newest checkpoints (older ones are deleted once a new one is in place); None keeps all."""
     resume: str | None = None
-    """'latest' (newest checkpoint in output_dir) or a checkpoint directory."""
+    """'latest' (newest complete checkpoint in output_dir) or a checkpoint directory."""
+    resume_allow_changes: str | None = None
+    """Comma-separated fields that may differ from the resumed checkpoint's config beyond those that
+    always may (RESUME_FREE_FIELDS), or 'all'."""
+    overwrite: bool = False
+    """Let a fresh run delete the run already in output_dir (its metrics, checkpoints, plots), and a
+    resume from an older checkpoint delete the newer ones."""
     plot: bool = True
     compare: str | None = None
     """Comma-separated rollout precisions to run one after another with the same seed and data,
@@ -142,6 +156,26 @@ class TrainConfig:
         self.llm_kwargs()
         if self.correction_mode == "bypass" and self.mini_batches > 1:
             raise ValueError("correction_mode='bypass' takes the PPO ratio against the rollout policy; use mini_batches=1")
+        if self.keep_last is not None and (isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int)
+                                           or self.keep_last < 1):
+            raise ConfigError(f"keep_last={self.keep_last!r} must be a positive integer (or none to keep every checkpoint)")
+        self.resume_allowed()
+        if self.compare:
+            from flashrl.rl.run import compare_variants
+
+            compare_variants(self.compare)
+
+    def resume_allowed(self) -> set[str] | None:
+        """Fields `resume_allow_changes` lets differ from the checkpoint's config (None: all of them)."""
+        value = (self.resume_allow_changes or "").strip()
+        if value.lower() in ("all", "true"):
+            return None
+        names = {n.strip() for n in value.split(",") if n.strip()}
+        unknown = sorted(names - set(TrainConfig.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(f"resume_allow_changes names unknown field(s) {', '.join(unknown)}; allowed: 'all' or "
+                              f"comma-separated TrainConfig fields, e.g. seed,rollout_quant")
+        return names
 
     def correction_config(self) -> CorrectionConfig:
         """The `CorrectionConfig` these settings describe (tis_cap 0 turns the IS weight off)."""

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from flashrl.errors import ConfigError
 from flashrl.rl.config import TrainConfig
 from flashrl.rl.plot import TIME_PARTS, plot_runs
 from flashrl.utils import format_table
@@ -46,35 +47,69 @@ def train_once(config: TrainConfig, name: str | None = None) -> tuple[list[dict]
 
 
 def compare_variants(spec: str) -> list[tuple[str, dict]]:
-    """'bf16,int8,int8-notis' -> [(name, overrides)], '-notis' meaning tis_cap 0."""
+    """'bf16,int8,int8-notis' -> [(name, overrides)], '-notis' meaning tis_cap 0. Each variant is one run
+    directory, so a variant listed twice (also in another spelling, e.g. INT8) is a ConfigError."""
     from flashrl.quant.schemes import get_scheme
 
-    out = []
+    out, seen = [], {}
     for item in (s.strip() for s in spec.split(",")):
         if not item:
             continue
-        no_tis = item.endswith("-notis")
+        no_tis = item.lower().endswith("-notis")
         scheme = item[: -len("-notis")] if no_tis else item
-        overrides: dict = dict(rollout_quant=get_scheme(scheme).name)
+        try:
+            name = get_scheme(scheme).name
+        except ValueError as err:
+            raise ConfigError(f"compare={spec!r}: {err}") from None
+        key = name + ("-notis" if no_tis else "")
+        if key in seen:
+            raise ConfigError(f"compare={spec!r} lists {key!r} twice ({seen[key]!r} and {item!r}); each variant is "
+                              f"one run directory under output_dir: list it once")
+        seen[key] = item
+        overrides: dict = dict(rollout_quant=name)
         if no_tis:
             overrides["tis_cap"] = 0.0
-        out.append((item, overrides))
+        out.append((key, overrides))
     if not out:
-        raise ValueError("--compare needs at least one scheme")
+        raise ConfigError(f"compare={spec!r} needs at least one scheme, e.g. bf16,int8,int8-notis")
     return out
+
+
+def variant_configs(config: TrainConfig) -> list[tuple[str, TrainConfig]]:
+    """The (name, config) of each run `config` asks for: itself, or one per `compare` variant under
+    output_dir/<name>."""
+    if not config.compare:
+        return [(config.rollout_quant, config)]
+    root = Path(config.output_dir)
+    return [(name, dataclasses.replace(config, compare=None, output_dir=str(root / name), **overrides))
+            for name, overrides in compare_variants(config.compare)]
+
+
+def preflight(config: TrainConfig) -> None:
+    """Checks that need no model, for every run of `config`, before the first one starts: FLASHRL_*
+    variables, output directories that are files, fresh runs into a directory holding a run."""
+    from flashrl.config import from_env
+    from flashrl.rl.checkpoint import check_output_dir, refuse_existing_run
+
+    from_env()  # the rollout scheme comes from the config, but a bad variable is an error as elsewhere
+    check_output_dir(config.output_dir)
+    for _, sub in variant_configs(config):
+        out = check_output_dir(sub.output_dir)
+        if not sub.resume and not sub.overwrite:
+            refuse_existing_run(out, overwrite=False)
 
 
 def run(config: TrainConfig) -> list[dict]:
     """`flashrl train`: one run, or with `config.compare` one run per precision (same seed and data)
     under output_dir/<name>, a side-by-side plot and a summary table. Returns the summary rows."""
+    preflight(config)
     if not config.compare:
         _, summary = train_once(config)
         rows = [summary]
     else:
         root = Path(config.output_dir)
         runs, rows = {}, []
-        for name, overrides in compare_variants(config.compare):
-            sub = dataclasses.replace(config, compare=None, output_dir=str(root / name), **overrides)
+        for name, sub in variant_configs(config):
             metrics, summary = train_once(sub, name)
             runs[name] = metrics
             rows.append(summary)

@@ -21,7 +21,9 @@ One step, top to bottom (trainer and rollout engine live in one process, on a CP
 
 Outputs in `output_dir`: `metrics.jsonl` (one line per step), `config.yaml`, checkpoints in
 Hugging Face format (`checkpoint-N/`, loadable by the engine and by `transformers`) with the
-optimizer state for resume, and `curves.png`.
+optimizer state for resume, and `curves.png`. One directory holds one run: a fresh run refuses a
+directory that holds another (`overwrite` deletes it), a resume checks the checkpoint's config;
+how the files survive crashes is in `flashrl.rl.checkpoint`.
 """
 
 from __future__ import annotations
@@ -30,8 +32,6 @@ import dataclasses
 import json
 import logging
 import math
-import random
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -44,8 +44,11 @@ from flashrl.config import RolloutConfig, resolve_config
 from flashrl.correction import compute_correction, ppo_clip_loss
 from flashrl.engine.engine import peak_memory_bytes, resolve_dtype
 from flashrl.engine.sampler import SamplingParams, replay_processed_logprobs
+from flashrl.errors import CheckpointError
 from flashrl.rl import algo
-from flashrl.rl.config import TrainConfig
+from flashrl.rl import checkpoint as ckpt
+from flashrl.rl.checkpoint import read_metrics  # noqa: F401 (public as flashrl.rl.trainer.read_metrics)
+from flashrl.rl.config import RESUME_FREE_FIELDS, TrainConfig
 from flashrl.rl.data import ArithmeticTask, Example, FileDataset, PromptSource, render_prompt
 from flashrl.rl.rewards import get_reward
 from flashrl.rollout import Rollout, RolloutBackend
@@ -121,19 +124,26 @@ class Trainer:
     def __init__(self, config: TrainConfig, backend: RolloutBackend | None = None) -> None:
         import transformers
 
+        from flashrl.config import from_env
+
         self.config = config
-        self.output_dir = Path(config.output_dir)
+        self.output_dir = ckpt.check_output_dir(config.output_dir)
+        # the rollout scheme comes from rollout_quant / rollout_config, but a bad FLASHRL_* value is an
+        # error here as in every other command
+        from_env()
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_dir = self._model_dir()
-        resume_dir = self._resume_dir()
-        source_dir = resume_dir or self.model_dir
         tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
         if not any((self.model_dir / f).is_file() for f in tokenizer_files):
             raise FileNotFoundError(f"model directory {self.model_dir} has no tokenizer (expected tokenizer.json or "
                                     f"tokenizer_config.json); save one with tokenizer.save_pretrained(DIR)")
+        resume_dir, state, damaged, discard = self._plan_run()
+        source_dir = resume_dir or self.model_dir
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
         dtype = torch.float32 if config.trainer_dtype == "fp32" else torch.bfloat16
-        self.policy = transformers.AutoModelForCausalLM.from_pretrained(source_dir, dtype=dtype).to(self.device)
+        # a checkpoint's weights load from safetensors only (never a pickled pytorch_model.bin)
+        self.policy = transformers.AutoModelForCausalLM.from_pretrained(
+            source_dir, dtype=dtype, use_safetensors=True if resume_dir else None).to(self.device)
         self.policy.config.use_cache = False
         self.reference = None
         if config.kl_coef > 0:
@@ -148,12 +158,17 @@ class Trainer:
                                        max_tokens=config.max_response_tokens, n=config.group_size)
         self.step = 0
         if resume_dir is not None:
-            self._load_state(resume_dir)
+            self._load_state(resume_dir, state)
         self.backend = backend or self._make_backend(source_dir)
+        # every check passed and the models loaded: only now change what is on disk
+        ckpt.set_damaged_aside(damaged, resume_dir)
+        ckpt.remove(discard, "--overwrite")
+        ckpt.clean_partial_writes(self.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         config.save_yaml(self.output_dir / "config.yaml")
-        self.metrics_path = self.output_dir / "metrics.jsonl"
-        self._truncate_metrics()
+        self.metrics_path = self.output_dir / ckpt.METRICS_FILE
+        if resume_dir is not None:
+            ckpt.truncate_metrics(self.metrics_path, self.step)
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -167,19 +182,48 @@ class Trainer:
             raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
         return path
 
-    def _resume_dir(self) -> Path | None:
-        resume = self.config.resume
-        if not resume:
-            return None
-        if resume == "latest":
-            found = sorted(self.output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-            if not found:
-                raise FileNotFoundError(f"--resume latest: no checkpoint-* directory in {self.output_dir}")
-            return found[-1]
-        path = Path(resume)
-        if not (path / "trainer_state.pt").is_file():
-            raise FileNotFoundError(f"--resume {resume}: not a flashrl checkpoint (no trainer_state.pt)")
-        return path
+    def _plan_run(self) -> tuple[Path | None, dict | None, list[tuple[Path, str]], list[Path]]:
+        """Check the run directory and the checkpoint to resume before any work; changes nothing on disk.
+
+        Returns (checkpoint to resume or None, its trainer state, damaged newer checkpoints that
+        `--resume latest` skipped, paths `overwrite` deletes)."""
+        c, out = self.config, self.output_dir
+        if not c.resume:
+            if not c.overwrite:
+                ckpt.refuse_existing_run(out, overwrite=False)
+            return None, None, [], ckpt.run_files(out) if c.overwrite else []
+        damaged: list[tuple[Path, str]] = []
+        if c.resume == "latest":
+            path, state, damaged = ckpt.find_latest(out)
+        else:
+            path = Path(c.resume)
+            state = ckpt.verify_checkpoint(path)
+        self._check_resume_config(path, state["config"])
+        if path.resolve().parent != out.resolve():
+            # resuming another directory's checkpoint: this directory must not hold a run of its own
+            if not c.overwrite:
+                ckpt.refuse_existing_run(out, overwrite=False)
+            return path, state, [], ckpt.run_files(out) if c.overwrite else []
+        skipped = {p for p, _ in damaged}
+        newer = [p for step, p in ckpt.list_checkpoints(out) if step > state["step"] and p not in skipped]
+        if newer and not c.overwrite:
+            raise CheckpointError(f"--resume {c.resume}: {', '.join(p.name for p in newer)} of this run is newer than "
+                                  f"{path.name}; resuming from {path.name} would discard it: pass --overwrite true to "
+                                  f"delete the newer checkpoints, or --resume latest")
+        return path, state, damaged, newer
+
+    def _check_resume_config(self, path: Path, stored: dict) -> None:
+        """CheckpointError naming every field (outside RESUME_FREE_FIELDS and resume_allow_changes)
+        whose value differs from the config the checkpoint was trained with."""
+        allowed = self.config.resume_allowed()
+        if allowed is None:
+            return
+        diffs = ckpt.config_differences(stored, self.config.to_dict(), set(RESUME_FREE_FIELDS) | allowed)
+        if diffs:
+            names = ",".join(d.split(":")[0] for d in diffs)
+            raise CheckpointError(f"--resume {self.config.resume}: this config differs from the one {path} was trained "
+                                  f"with: {'; '.join(diffs)}. These change what the run computes; to continue anyway "
+                                  f"pass --resume-allow-changes {names} (free to change: {', '.join(RESUME_FREE_FIELDS)})")
 
     def _prompt_source(self) -> PromptSource:
         c = self.config
@@ -358,45 +402,37 @@ class Trainer:
         while self.step < c.steps:
             metrics = self.train_step()
             history.append(metrics)
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(metrics) + "\n")
+            ckpt.append_line(self.metrics_path, json.dumps(metrics))
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('rollout_corr/kl', 0.0):.2e}",
                             tok_s=f"{metrics['throughput/rollout_tokens_per_s']:.0f}")
             if c.save_every and self.step % c.save_every == 0 and self.step < c.steps:
                 self.save_checkpoint()
         bar.close()
-        self.save_checkpoint()
+        if history or not (self.output_dir / f"checkpoint-{self.step}").is_dir():
+            self.save_checkpoint()  # (a resume with nothing left to train keeps the checkpoint it loaded)
         return history
 
     def save_checkpoint(self) -> Path:
-        """HF-format weights + tokenizer + optimizer/trainer state in `output_dir/checkpoint-<step>`."""
-        path = self.output_dir / f"checkpoint-{self.step}"
-        tmp = self.output_dir / f".checkpoint-{self.step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.policy.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        torch.save(dict(step=self.step, optimizer=self.optimizer.state_dict(), config=self.config.to_dict(),
-                        python_rng=random.getstate(), torch_rng=torch.get_rng_state()), tmp / "trainer_state.pt")
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
+        """HF-format weights + tokenizer + optimizer/trainer state in `output_dir/checkpoint-<step>`,
+        written to a temporary directory, fsynced and renamed into place; then `keep_last` pruning."""
+        state = ckpt.trainer_state(self.step, self.optimizer, self.config.to_dict())
+
+        def write(tmp: Path) -> None:
+            self.policy.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            torch.save(state, tmp / ckpt.STATE_FILE)
+
+        path = ckpt.write_checkpoint_dir(self.output_dir / f"checkpoint-{self.step}", write)
+        ckpt.prune_checkpoints(self.output_dir, self.config.keep_last)
         return path
 
-    def _load_state(self, path: Path) -> None:
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+    def _load_state(self, path: Path, state: dict) -> None:
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise CheckpointError(f"{path / ckpt.STATE_FILE}: optimizer state does not fit this model ({err})") from None
         self.step = int(state["step"])
-        random.setstate(state["python_rng"])
-        torch.set_rng_state(state["torch_rng"])
+        ckpt.restore_rng(state)
         logger.info("resumed from %s at step %d", path, self.step)
 
-    def _truncate_metrics(self) -> None:
-        """Keep the metrics of steps before `self.step` (a resumed run rewrites later ones)."""
-        if not self.metrics_path.is_file():
-            return
-        lines = [l for l in self.metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] < self.step]
-        self.metrics_path.write_text("".join(l + "\n" for l in lines))
-
-
-def read_metrics(path: str | Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
