@@ -6,7 +6,8 @@ each worker). It registers:
 1. the quantization configs ``flashrl_int8``, ``flashrl_fp8``, ``flashrl_fp8_channel`` and
    ``flashrl_fp8_block`` (`register_quantization_config`);
 2. the ``flashrl`` weight-transfer backend (`WeightTransferEngineFactory.register_engine`);
-3. only when ``FLASHRL_CONFIG`` is set: the one hook flashrl puts into vLLM, a wrapper around the
+3. only when ``FLASHRL_CONFIG`` is set: ``FLASHRL_LOGGING_LEVEL`` / ``FLASHRL_LOGGING_FILE`` are
+   applied to the ``flashrl`` logger, and the one hook flashrl puts into vLLM, a wrapper around the
    public ``EngineArgs.create_engine_config`` that fills in `engine_kwargs(FLASHRL_CONFIG)` for
    arguments the script left at their defaults (`flashrl.vllm_backend.config.apply_env_config`).
    That is what makes ``FLASHRL_CONFIG=int8 python unmodified_script.py`` switch an ``LLM(model)``
@@ -53,7 +54,14 @@ def register() -> None:
     except ValueError:  # already registered in this process (register() called directly before)
         pass
     if os.environ.get("FLASHRL_CONFIG"):
+        # An unmodified script never configures flashrl's logger: apply FLASHRL_LOGGING_LEVEL /
+        # FLASHRL_LOGGING_FILE here, so the scheme, the quantized layers and every re-quantization show.
+        from flashrl.config import configure_logging
+
+        configure_logging()
         install_env_hook()
+        logger.info("flashrl plugin registered in process %d with FLASHRL_CONFIG=%s (vLLM %s)",
+                    os.getpid(), os.environ["FLASHRL_CONFIG"], vllm.__version__)
     _registered = True
 
 

@@ -33,21 +33,25 @@ import torch
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import replace_parameter, set_weight_attrs
 from vllm.platforms import current_platform
 
+from flashrl.errors import WeightError
 from flashrl.quant.gemm import check_gemm_shape, scaled_linear
 from flashrl.quant.linear import DEFAULT_SKIP, QuantLinear, matches_any
 from flashrl.quant.schemes import get_scheme
+from flashrl.vllm_backend import direct_load
+from flashrl.vllm_backend.direct_load import PROCESSED_FLAG, clear_staging, make_bias_loader, make_weight_loader
 from flashrl.vllm_backend.names import METHOD_NAMES
 
 logger = logging.getLogger(__name__)
 
-_PROCESSED_FLAG = "_already_called_process_weights_after_loading"
+_PROCESSED_FLAG = PROCESSED_FLAG
 """vLLM's marker for "already quantized": the loader calls `process_weights_after_loading` once
 per layer during layerwise loading and once more in its final pass; layerwise reload deletes the
-marker so the next reload quantizes again."""
+marker so the next reload quantizes again; a direct ``load_weights`` sees it set and stages."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -124,12 +128,14 @@ class FlashRLLinearMethod(LinearMethodBase):
         layer.logical_widths = list(output_partition_sizes)
         layer.input_size_per_partition = input_size_per_partition
         layer.output_size_per_partition = out_features
-        weight_loader = extra_weight_attrs.pop("weight_loader")
+        vllm_loader = extra_weight_attrs.pop("weight_loader")
+        layer.flashrl_params_dtype = params_dtype
+        layer.flashrl_vllm_loader = vllm_loader
         weight = ModelWeightParameter(
             data=torch.empty(out_features, input_size_per_partition, dtype=params_dtype, device="meta"),
             input_dim=1,
             output_dim=0,
-            weight_loader=weight_loader,
+            weight_loader=make_weight_loader(layer, vllm_loader, self._staging_weight, self._requantize_in_place),
         )
         layer.register_parameter("weight", weight)
         set_weight_attrs(weight, extra_weight_attrs)
@@ -141,6 +147,7 @@ class FlashRLLinearMethod(LinearMethodBase):
         if getattr(layer, _PROCESSED_FLAG, False):
             return
         start = time.perf_counter()
+        clear_staging(layer)  # a full (re)load supersedes shards staged by direct loads
         weight = layer.weight.data
         quantized = QuantLinear(
             layer.input_size_per_partition,
@@ -153,22 +160,120 @@ class FlashRLLinearMethod(LinearMethodBase):
         try:
             quantized.requantize_(weight)
         except ValueError as err:
-            raise ValueError(f"{getattr(layer, 'prefix', '')}: {err}") from None
+            raise WeightError(f"{getattr(layer, 'prefix', '')}: {err}") from None
         replace_parameter(layer, "weight", quantized.weight)
         replace_parameter(layer, "weight_scale", quantized.weight_scale)
         if quantized.row_scale is not None:
             replace_parameter(layer, "row_scale", quantized.row_scale)
+        bias = getattr(layer, "bias", None)
+        if isinstance(bias, torch.nn.Parameter) and not getattr(bias, "flashrl_loader", False):
+            bias.weight_loader = make_bias_loader(layer, getattr(bias, "weight_loader"))
+            bias.flashrl_loader = True
         setattr(layer, _PROCESSED_FLAG, True)
         if weight.is_cuda:
             torch.cuda.synchronize(weight.device)
-        _requant_stats["requant_s"] += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        _requant_stats["requant_s"] += seconds
         _requant_stats["layers_requantized"] += 1
+        direct_load.note_quantized(self.scheme.name, seconds)
+
+    def _staging_weight(self, layer: torch.nn.Module) -> torch.Tensor:
+        """An empty checkpoint-format weight for `direct_load` to stage shards in (vLLM's loader fills it)."""
+        return ModelWeightParameter(
+            data=torch.empty(layer.output_size_per_partition, layer.input_size_per_partition,
+                             dtype=layer.flashrl_params_dtype, device=layer.weight.device),
+            input_dim=1,
+            output_dim=0,
+            weight_loader=layer.flashrl_vllm_loader,
+        )
+
+    @torch.no_grad()
+    def _requantize_in_place(self, layer: torch.nn.Module, weight: torch.Tensor) -> None:
+        """Quantize a complete checkpoint-format `weight` into the layer's existing code and scale
+        storages (same bits as `process_weights_after_loading`: both run `QuantLinear.requantize_`)."""
+        view = QuantLinear(layer.input_size_per_partition, layer.output_size_per_partition, self.scheme,
+                           shard_sizes=layer.logical_widths, dtype=weight.dtype, device="meta")
+        view.weight = layer.weight.data
+        view.weight_scale = layer.weight_scale.data
+        if view.row_scale is not None:
+            view.row_scale = layer.row_scale.data
+        start = time.perf_counter()
+        view.requantize_(weight)
+        if weight.is_cuda:
+            torch.cuda.synchronize(weight.device)
+        seconds = time.perf_counter() - start
+        _requant_stats["requant_s"] += seconds
+        _requant_stats["layers_requantized"] += 1
+        direct_load.note_quantized(self.scheme.name, seconds)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         scale = getattr(layer, "row_scale", None)
         if scale is None:
             scale = layer.weight_scale
         return flashrl_scaled_linear(x, layer.weight, scale, bias, self.scheme.name, layer.logical_widths)
+
+
+# ------------------------------------------------------------------------------------------------
+# layers kept in high precision
+# ------------------------------------------------------------------------------------------------
+
+_embedding_loads = [0]
+"""Loads into any embedding / LM-head weight of a flashrl model in this process; an LM head whose
+packed CPU kernel predates the latest load repacks before its next use."""
+
+
+def _count_embedding_load() -> None:
+    _embedding_loads[0] += 1
+
+
+class FlashRLEmbeddingMethod(UnquantizedEmbeddingMethod):
+    """Embeddings and the LM head, in high precision as vLLM's unquantized method keeps them, plus:
+
+    - incoming tensors are validated (`direct_load.check_incoming`);
+    - on CPU, vLLM packs the LM head into a oneDNN handle at load time; a tied head receives no
+      tensor of its own when the embedding is loaded directly, so the handle would keep the old
+      embedding. `apply` repacks whenever an embedding or LM-head load happened since the pack;
+    - `apply` runs eagerly before every sampling step (vLLM computes logits outside the compiled
+      model), so it is where incomplete direct loads are reported (`direct_load.report_pending`).
+    """
+
+    def create_weights(self, layer: torch.nn.Module, *args: Any, **extra_weight_attrs: Any) -> None:
+        vllm_loader = extra_weight_attrs.pop("weight_loader")
+        checked = direct_load.make_checked_loader(layer, vllm_loader, _count_embedding_load)
+        super().create_weights(layer, *args, weight_loader=checked, **extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        layer.flashrl_packed_loads = _embedding_loads[0]
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        direct_load.on_step()
+        if current_platform.is_cpu() and getattr(layer, "flashrl_packed_loads", None) != _embedding_loads[0]:
+            super().process_weights_after_loading(layer)
+            layer.flashrl_packed_loads = _embedding_loads[0]
+            logger.info("%s: repacked the CPU LM-head kernel after a weight load", getattr(layer, "prefix", "lm_head"))
+        return super().apply(layer, x, bias)
+
+
+class FlashRLDenseLinearMethod(UnquantizedLinearMethod):
+    """Linear layers a skip list keeps in high precision: vLLM's unquantized method with validated
+    loads, except on CPU, where vLLM packs the weight into a oneDNN handle and drops
+    ``layer.weight`` (no direct ``load_weights`` could reach it): the weight stays a plain tensor
+    and the forward is ``F.linear``."""
+
+    def create_weights(self, layer: torch.nn.Module, *args: Any, **extra_weight_attrs: Any) -> None:
+        vllm_loader = extra_weight_attrs.pop("weight_loader")
+        super().create_weights(layer, *args, weight_loader=direct_load.make_checked_loader(layer, vllm_loader),
+                               **extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if not current_platform.is_cpu():
+            super().process_weights_after_loading(layer)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if current_platform.is_cpu():
+            return torch.nn.functional.linear(x, layer.weight, bias)
+        return super().apply(layer, x, bias)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,15 +355,17 @@ class FlashRLQuantConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, LinearBase):
             if self.is_skipped(prefix):
-                return UnquantizedLinearMethod()
+                return FlashRLDenseLinearMethod()
             return FlashRLLinearMethod(self.scheme_name)
+        if isinstance(layer, VocabParallelEmbedding):
+            return FlashRLEmbeddingMethod()
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
         if isinstance(layer, RoutedExperts):
             if not self._warned_moe:
                 logger.warning("%s keeps MoE experts in high precision (not quantized yet)", self.get_name())
                 self._warned_moe = True
-        # Embeddings, the LM head, attention (no KV-cache scales) and experts: vLLM's unquantized path.
+        # Attention (no KV-cache scales) and experts: vLLM's unquantized path.
         return None
 
 

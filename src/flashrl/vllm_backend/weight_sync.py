@@ -152,9 +152,13 @@ class WeightSync:
         """
         from vllm.distributed.weight_transfer.base import materialize_full_tensor
 
+        from flashrl.vllm_backend.direct_load import check_incoming
+
         items = [(name, materialize_full_tensor(t).detach()) for name, t in named_tensors]
         if not items:
             raise ValueError("nothing to push: no (name, tensor) pairs")
+        for name, tensor in items:  # before anything is sent: a refused push leaves the engine as it was
+            check_incoming(tensor, name)
         check_fused_complete(name for name, _ in items)
         self.kv.check_push([name for name, _ in items])
         chunks = group_by_layer(items)

@@ -1,0 +1,236 @@
+"""Direct ``model.load_weights`` into flashrl-quantized vLLM layers: validate, stage, re-quantize.
+
+RL trainers push new weights by calling the vLLM model's ``load_weights`` themselves, outside
+vLLM's layerwise reload: TRL colocate and OpenRLHF one tensor per call, verl all tensors in one
+call (shared/reference/vllm.md section 2.2b). Without help, such a load reaches a quantized
+layer's *code* parameter with a float checkpoint tensor: fused layers fail vLLM's shape assert,
+unfused ones get float values cast into int8/fp8 codes under stale scales.
+
+flashrl's linear method therefore installs its own ``weight_loader`` on every parameter it owns
+(`make_weight_loader`, `make_bias_loader`). The loader
+
+1. refuses a non-float tensor or one holding NaN/Inf (`WeightError` naming the parameter) before
+   anything of the layer changes;
+2. while the layer holds checkpoint-format tensors (first load, vLLM's layerwise reload, the
+   element-counting dry run on meta tensors) passes the tensor to vLLM's own loader unchanged;
+3. once the layer is quantized, stages the tensor at checkpoint precision in a buffer of the
+   layer's checkpoint shape, loaded by vLLM's own (tensor-parallel, shard-aware) loader, and when
+   every shard of the layer has arrived (q, k and v; gate and up; the whole weight otherwise)
+   re-quantizes the staged weight *into the existing code and scale storages* and frees the buffer.
+
+A layer whose shards never all arrive keeps its previous weights whole (never half old, half
+new). `report_pending` logs a warning per such layer naming the missing shards and counts it in
+`load_stats()["incomplete_groups"]`; flashrl's LM-head method calls it before every logits
+computation, which vLLM runs eagerly, so a sync that ends incomplete is reported at the next
+generation step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flashrl.errors import WeightError
+
+logger = logging.getLogger(__name__)
+
+PROCESSED_FLAG = "_already_called_process_weights_after_loading"
+"""vLLM's marker for a layer whose checkpoint tensors have been processed (quantized)."""
+
+_pending: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_stats: dict[str, float] = {"direct_tensors": 0, "layers_committed": 0, "incomplete_groups": 0, "commit_s": 0.0}
+_unlogged = {"layers": 0, "seconds": 0.0, "schemes": set()}
+"""Quantizations since the last `on_step` log line (any load path)."""
+
+
+def note_quantized(scheme: str, seconds: float) -> None:
+    """Record one layer quantization (any load path) for the next `on_step` log line."""
+    _unlogged["layers"] += 1
+    _unlogged["seconds"] += seconds
+    _unlogged["schemes"].add(scheme)
+
+
+def load_stats(reset: bool = False) -> dict[str, float]:
+    """Counters of direct loads in this process: ``direct_tensors`` (tensors staged),
+    ``layers_committed`` (layers re-quantized from staged tensors), ``incomplete_groups`` (layers
+    reported with missing shards), ``commit_s`` (seconds re-quantizing), ``pending_layers`` (layers
+    holding staged shards now). `reset` zeroes the counters after reading."""
+    stats = {**_stats, "pending_layers": float(len(_pending))}
+    if reset:
+        _stats.update(direct_tensors=0, layers_committed=0, incomplete_groups=0, commit_s=0.0)
+    return stats
+
+
+def check_incoming(tensor: Any, name: str) -> None:
+    """Raise `WeightError` unless `tensor` is a finite floating-point tensor (not on meta)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise WeightError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_floating_point():
+        raise WeightError(f"{name}: tensor has dtype {tensor.dtype}; weights must be floating point "
+                          "(float32, bfloat16, float16)")
+    if tensor.is_meta:
+        raise WeightError(f"{name}: tensor is on the meta device (no data)")
+    if tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise WeightError(f"{name}: refusing a tensor with {bad} NaN/Inf value(s) of {tensor.numel()}; "
+                          "the layer keeps its previous weights")
+
+
+def shard_ids(layer: torch.nn.Module) -> tuple[Any, ...]:
+    """The shard ids vLLM's model loaders pass for `layer`'s checkpoint tensors."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    if isinstance(layer, QKVParallelLinear):
+        return ("q", "k", "v")
+    if isinstance(layer, MergedColumnParallelLinear):
+        return tuple(range(len(layer.output_sizes)))
+    return (None,)
+
+
+def _call_loader(loader: Callable, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any) -> Any:
+    return loader(param, loaded) if shard_id is None else loader(param, loaded, shard_id)
+
+
+def _arrived_shards(layer: torch.nn.Module, shard_id: Any) -> set[Any]:
+    if shard_id is None:  # the whole (possibly already fused) weight
+        return set(shard_ids(layer))
+    return set(shard_id) if isinstance(shard_id, tuple) else {shard_id}
+
+
+@dataclass
+class Staging:
+    """Tensors of one layer waiting for the rest of their group."""
+
+    weight: torch.Tensor
+    arrived: set[Any] = field(default_factory=set)
+    bias: torch.Tensor | None = None
+    reported: bool = False
+
+
+def _name(layer: torch.nn.Module, what: str, shard_id: Any = None) -> str:
+    prefix = getattr(layer, "prefix", "") or type(layer).__name__
+    return f"{prefix}.{what}" + (f" (shard {shard_id!r})" if shard_id is not None else "")
+
+
+def make_weight_loader(
+    layer: torch.nn.Module,
+    vllm_loader: Callable,
+    new_staging_weight: Callable[[torch.nn.Module], torch.Tensor],
+    commit: Callable[[torch.nn.Module, torch.Tensor], None],
+) -> Callable:
+    """The ``weight_loader`` of a flashrl-quantized layer's weight (see the module docstring).
+
+    `new_staging_weight(layer)` makes a checkpoint-format parameter vLLM's loader can fill;
+    `commit(layer, weight)` re-quantizes the layer in place from a complete staged weight.
+    """
+    layer_ref = weakref.ref(layer)
+
+    def weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id: Any = None) -> Any:
+        owner = layer_ref()
+        assert owner is not None, "weight loader of a freed layer"
+        check_incoming(loaded_weight, _name(owner, "weight", loaded_shard_id))
+        if param.is_meta or not getattr(owner, PROCESSED_FLAG, False):
+            return _call_loader(vllm_loader, param, loaded_weight, loaded_shard_id)
+        staging = getattr(owner, "_flashrl_staging", None)
+        if staging is None:
+            staging = Staging(weight=new_staging_weight(owner))
+            owner._flashrl_staging = staging
+            _pending.add(owner)
+        _call_loader(vllm_loader, staging.weight, loaded_weight, loaded_shard_id)
+        staging.arrived |= _arrived_shards(owner, loaded_shard_id)
+        staging.reported = False
+        _stats["direct_tensors"] += 1
+        if staging.arrived >= set(shard_ids(owner)):
+            start = time.perf_counter()
+            commit(owner, staging.weight.data)
+            if staging.bias is not None:
+                owner.bias.data.copy_(staging.bias)
+            clear_staging(owner)
+            _stats["layers_committed"] += 1
+            _stats["commit_s"] += time.perf_counter() - start
+        return None
+
+    return weight_loader
+
+
+def make_bias_loader(layer: torch.nn.Module, vllm_loader: Callable) -> Callable:
+    """The ``weight_loader`` of a flashrl-quantized layer's bias: validated, and staged with the
+    weight while the layer waits for weight shards (committed with them), else loaded in place."""
+    layer_ref = weakref.ref(layer)
+
+    def bias_loader(param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id: Any = None) -> Any:
+        owner = layer_ref()
+        assert owner is not None, "bias loader of a freed layer"
+        check_incoming(loaded_weight, _name(owner, "bias", loaded_shard_id))
+        staging = getattr(owner, "_flashrl_staging", None)
+        if param.is_meta or staging is None or not getattr(owner, PROCESSED_FLAG, False):
+            return _call_loader(vllm_loader, param, loaded_weight, loaded_shard_id)
+        if staging.bias is None:
+            staging.bias = torch.nn.Parameter(param.data.clone(), requires_grad=False)
+            for attr in ("output_dim", "input_dim", "is_sharded_weight"):
+                if hasattr(param, attr):
+                    setattr(staging.bias, attr, getattr(param, attr))
+        return _call_loader(vllm_loader, staging.bias, loaded_weight, loaded_shard_id)
+
+    return bias_loader
+
+
+def make_checked_loader(layer: torch.nn.Module, vllm_loader: Callable, on_loaded: Callable[[], None] | None = None
+                        ) -> Callable:
+    """A ``weight_loader`` for layers flashrl keeps in high precision (embeddings, LM head, skipped
+    linears): validates the tensor, runs vLLM's loader, then calls `on_loaded` (real loads only)."""
+    layer_ref = weakref.ref(layer)
+
+    def checked_loader(param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id: Any = None) -> Any:
+        owner = layer_ref()
+        assert owner is not None, "weight loader of a freed layer"
+        check_incoming(loaded_weight, _name(owner, "weight", loaded_shard_id))
+        result = _call_loader(vllm_loader, param, loaded_weight, loaded_shard_id)
+        if on_loaded is not None and not param.is_meta:
+            on_loaded()
+        return result
+
+    return checked_loader
+
+
+def clear_staging(layer: torch.nn.Module) -> None:
+    """Drop `layer`'s staged tensors (after a commit, or when a full reload supersedes them)."""
+    if getattr(layer, "_flashrl_staging", None) is not None:
+        layer._flashrl_staging = None
+    _pending.discard(layer)
+
+
+def on_step() -> int:
+    """Called before every logits computation: logs the quantizations done since the last call (one
+    INFO line per weight update) and reports incomplete groups (`report_pending`)."""
+    if _unlogged["layers"]:
+        logger.info("re-quantized %d linear layers (%s) in %.3f s", _unlogged["layers"],
+                    ", ".join(sorted(_unlogged["schemes"])), _unlogged["seconds"])
+        _unlogged.update(layers=0, seconds=0.0, schemes=set())
+    return report_pending()
+
+
+def report_pending() -> int:
+    """Warn once per layer whose staged group is still incomplete (naming the missing shards) and
+    count it in ``incomplete_groups``; returns the number of such layers. Cheap when none."""
+    if not _pending:
+        return 0
+    for layer in list(_pending):
+        staging = layer._flashrl_staging
+        if staging is None or staging.reported:
+            continue
+        missing = [s for s in shard_ids(layer) if s not in staging.arrived]
+        logger.warning(
+            "%s: incomplete weight update: received shard(s) %s but not %s; the layer keeps its previous "
+            "weights until all of them arrive (send q/k/v and gate/up together every sync)",
+            _name(layer, "weight"), sorted(map(str, staging.arrived)), [str(s) for s in missing],
+        )
+        staging.reported = True
+        _stats["incomplete_groups"] += 1
+    return len(_pending)
