@@ -34,7 +34,9 @@ from pathlib import Path
 import torch
 
 from flashrl.engine.engine import Engine, peak_memory_bytes, resolve_dtype
+from flashrl.engine.model_config import ModelConfig
 from flashrl.engine.sampler import SamplingParams
+from flashrl.errors import ConfigError, InputError
 from flashrl.quant.schemes import parse_scheme_list
 from flashrl.utils import device_name, format_table, synchronize
 
@@ -98,8 +100,15 @@ def random_model_dir(name_or_path: str, root: Path) -> Path:
     else:
         path = Path(name_or_path)
         if not path.is_file():
-            raise ValueError(f"--random-weights {name_or_path!r}: not a config.json file nor one of {', '.join(RANDOM_CONFIGS)}")
-        raw = json.loads(path.read_text())
+            raise ConfigError(f"--random-weights {name_or_path!r}: not a config.json file nor one of "
+                              f"{', '.join(RANDOM_CONFIGS)}")
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise InputError(f"--random-weights {name_or_path}: not a JSON file ({err})") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("vocab_size"), int):
+            raise InputError(f"--random-weights {name_or_path}: expected a Hugging Face config.json (an object "
+                             f"with an integer vocab_size)")
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(raw))
     return root
@@ -120,24 +129,24 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> float:
 
 
 def parse_kv_dtypes(text: str) -> list[str]:
-    """'bf16,fp8' -> ['bf16', 'fp8']; raises ValueError naming an unknown dtype."""
+    """'bf16,fp8' -> ['bf16', 'fp8']; raises ConfigError naming an unknown dtype."""
     from flashrl.engine.kv_cache import KV_CACHE_DTYPES
 
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in KV_CACHE_DTYPES]
     if bad or not names:
-        raise ValueError(f"--kv-cache-dtype {text!r} is invalid; allowed: a comma-separated list of {', '.join(KV_CACHE_DTYPES)}")
+        raise ConfigError(f"--kv-cache-dtype {text!r} is invalid; allowed: a comma-separated list of {', '.join(KV_CACHE_DTYPES)}")
     return list(dict.fromkeys(names))
 
 
 def parse_compile_modes(text: str) -> list[str | None]:
-    """'none,default' -> [None, 'default']; raises ValueError naming the allowed modes."""
+    """'none,default' -> [None, 'default']; raises ConfigError naming the allowed modes."""
     from flashrl.engine.decode import COMPILE_MODES
 
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n != "none" and n not in COMPILE_MODES]
     if bad or not names:
-        raise ValueError(f"--compile {text!r} is invalid; allowed: a comma-separated list of none, {', '.join(COMPILE_MODES)}")
+        raise ConfigError(f"--compile {text!r} is invalid; allowed: a comma-separated list of none, {', '.join(COMPILE_MODES)}")
     return [None if n == "none" else n for n in dict.fromkeys(names)]
 
 
@@ -249,16 +258,16 @@ def _bench_hf(model_dir: Path, cfg: BenchConfig, prompts: list[list[int]], rando
 def run_bench(cfg: BenchConfig) -> dict:
     """Run the benchmark; returns the JSON-able result (rows plus device facts)."""
     if (cfg.model is None) == (cfg.random_weights is None):
-        raise ValueError("give exactly one of --model DIR or --random-weights CONFIG")
+        raise ConfigError("give exactly one of --model DIR or --random-weights CONFIG")
     schemes = [s.name for s in parse_scheme_list(cfg.quant)]
     kv_dtypes = parse_kv_dtypes(cfg.kv_cache_dtype)
     modes = parse_compile_modes(cfg.compile)
     if cfg.kv_budget_gib is not None and not cfg.kv_budget_gib > 0:
-        raise ValueError(f"--kv-budget-gib {cfg.kv_budget_gib} must be > 0")
+        raise ConfigError(f"--kv-budget-gib {cfg.kv_budget_gib} must be > 0")
     with tempfile.TemporaryDirectory() as tmp:
         random = cfg.random_weights is not None
         model_dir = random_model_dir(cfg.random_weights, Path(tmp) / "model") if random else Path(cfg.model)
-        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        vocab = ModelConfig.from_model_dir(model_dir).vocab_size  # clear errors for a missing or bad directory
         gen = torch.Generator().manual_seed(cfg.seed)
         prompts = torch.randint(3, vocab, (cfg.batch, cfg.prompt_len), generator=gen).tolist()
         rows = []

@@ -7,10 +7,10 @@
 | `FLASHRL_LOGGING_LEVEL` | `DEBUG`, `INFO`, `WARNING`, `ERROR`, `CRITICAL` (any case)| level of the `flashrl` logger           |
 | `FLASHRL_LOGGING_FILE`  | a file path (its directory must exist)                   | also write the `flashrl` logger's records to it (appended) |
 
-An unset or empty variable is ignored. A bad value raises ValueError (FileNotFoundError for a
-missing file) naming the variable and the allowed values. `from_env()` reads the first two and
-returns the resolved `RolloutConfig` (None when neither is set); `configure_logging()` applies the
-last two. The `flashrl` command calls `configure_logging()` on start; a library user calls it
+An unset or empty variable is ignored. A bad value raises `ConfigError` (`ConfigFileNotFoundError`,
+also a FileNotFoundError, for a missing file) naming the variable and the allowed values.
+`from_env()` reads the first two and returns the resolved `RolloutConfig` (None when neither is
+set); `configure_logging()` applies the last two. The `flashrl` command calls `configure_logging()` on start; a library user calls it
 once, explicitly: importing flashrl configures nothing, so a bad value never breaks an import.
 
 The library logs under the `flashrl` logger only and never configures the root logger: the
@@ -32,6 +32,8 @@ from typing import Any
 
 import yaml
 
+from flashrl.errors import ConfigError
+from flashrl.fileio import atomic_write_text
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.quant.schemes import SCHEMES, get_scheme
 
@@ -43,6 +45,38 @@ ENV_VARS = ("FLASHRL_CONFIG", "FLASHRL_LMHEAD_FP32", "FLASHRL_LOGGING_LEVEL", "F
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _YAML_SUFFIXES = (".yaml", ".yml")
 LOGGER_NAME = "flashrl"
+
+
+class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
+    """A config file named by an option or variable does not exist (also a FileNotFoundError, as before)."""
+
+
+def read_yaml(path: str | Path) -> Any:
+    """The content of a YAML file, parsed with `yaml.safe_load` (tags that build Python objects are
+    refused, never run). Every error is a one-line `ConfigError` naming the file."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; expected a YAML file")
+    if not path.is_file():
+        raise ConfigFileNotFoundError(f"config file {str(path)!r} does not exist")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not valid YAML (not UTF-8 text: byte {err.start})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({yaml_problem(err)})") from None
+
+
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error as one line: where and what (PyYAML's own text spans several lines)."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if problem is None:
+        return " ".join(str(err).split())
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context = getattr(err, "context", None)
+    return where + " ".join((f"{problem}" + (f" ({context})" if context else "")).split())
 
 
 @dataclass(frozen=True)
@@ -66,41 +100,36 @@ class RolloutConfig:
         _check_choice("logprobs_mode", self.logprobs_mode, LOGPROB_MODES)
         object.__setattr__(self, "kv_scale", _check_kv_scale(self.kv_scale))
         if not isinstance(self.lm_head_fp32, bool):
-            raise ValueError(f"lm_head_fp32 must be true or false, got {self.lm_head_fp32!r}")
+            raise ConfigError(f"lm_head_fp32 must be true or false, got {self.lm_head_fp32!r}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> "RolloutConfig":
         """Build from a mapping of field values; unknown keys raise, naming `source` and the allowed keys."""
         if not isinstance(values, Mapping):
-            raise ValueError(f"{source}: expected a mapping of config keys, got {type(values).__name__}")
+            raise ConfigError(f"{source}: expected a mapping of config keys, got {type(values).__name__}")
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(set(values) - set(allowed), key=str)
         if unknown:
-            raise ValueError(f"{source}: unknown key(s) {', '.join(map(str, unknown))}; allowed: {', '.join(allowed)}")
+            raise ConfigError(f"{source}: unknown key(s) {', '.join(map(str, unknown))}; allowed: {', '.join(allowed)}")
         try:
             return cls(**{k: tuple(v) if k == "skip" and isinstance(v, list) else v for k, v in values.items()})
-        except ValueError as err:
+        except ConfigError as err:
             if source == "config":
                 raise
-            raise ValueError(f"{source}: {err}") from None
+            raise ConfigError(f"{source}: {err}") from None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "RolloutConfig":
         """Read a YAML file of config keys (top level, or under a ``rollout:`` key)."""
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise ValueError(f"{path}: not valid YAML ({err})") from None
+        data = read_yaml(path)
         data = {} if data is None else data
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+            raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
         if "rollout" in data:
             if set(data) != {"rollout"}:
                 extra = ", ".join(sorted(map(str, set(data) - {"rollout"})))
-                raise ValueError(f"{path}: keys {extra} next to 'rollout:'; put every config key under 'rollout:'")
+                raise ConfigError(f"{path}: keys {extra} next to 'rollout:'; put every config key under 'rollout:'")
             return cls.from_dict(data["rollout"] or {}, source=f"{path} (rollout)")
         return cls.from_dict(data, source=str(path))
 
@@ -111,29 +140,27 @@ class RolloutConfig:
 
     def to_yaml(self, path: str | Path, header: str = "") -> Path:
         """Write the config as YAML, preceded by `header` as ``#`` comment lines; `from_yaml` reads it back."""
-        path = Path(path)
         text = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines()) + yaml.safe_dump(
             self.to_dict(), sort_keys=False)
-        path.write_text(text)
-        return path
+        return atomic_write_text(path, text)
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"{name}={value!r} is invalid; allowed: {', '.join(allowed)}")
+        raise ConfigError(f"{name}={value!r} is invalid; allowed: {', '.join(allowed)}")
 
 
 def _check_skip(skip: Any) -> tuple[str, ...]:
     if isinstance(skip, str) or not isinstance(skip, (list, tuple)):
-        raise ValueError(f"skip must be a list of module-name patterns, got {skip!r}")
+        raise ConfigError(f"skip must be a list of module-name patterns, got {skip!r}")
     for pattern in skip:
         if not isinstance(pattern, str) or not pattern.strip():
-            raise ValueError(f"skip must be a list of non-empty module-name patterns, got {pattern!r} in {list(skip)!r}")
+            raise ConfigError(f"skip must be a list of non-empty module-name patterns, got {pattern!r} in {list(skip)!r}")
         if pattern.startswith("re:"):
             try:
                 re.compile(pattern[3:])
             except re.error as err:
-                raise ValueError(f"skip pattern {pattern!r} is not a valid regular expression ({err})") from None
+                raise ConfigError(f"skip pattern {pattern!r} is not a valid regular expression ({err})") from None
     return tuple(skip)
 
 
@@ -145,9 +172,9 @@ def _check_kv_scale(value: Any) -> str | float:
         try:
             value = float(value)
         except ValueError:
-            raise ValueError(f"kv_scale={value!r} is invalid; allowed: {allowed}") from None
+            raise ConfigError(f"kv_scale={value!r} is invalid; allowed: {allowed}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"kv_scale={value!r} is invalid; allowed: {allowed}")
+        raise ConfigError(f"kv_scale={value!r} is invalid; allowed: {allowed}")
     return float(value)
 
 
@@ -166,22 +193,22 @@ def resolve_config(value: str | Path | RolloutConfig | None, source: str = "conf
     path = Path(text).expanduser()
     if text and (path.is_file() or text.lower().endswith(_YAML_SUFFIXES) or os.sep in text):
         if not path.is_file():
-            raise FileNotFoundError(f"{source}: config file {text!r} does not exist")
+            raise ConfigFileNotFoundError(f"{source}: config file {text!r} does not exist")
         try:
             return RolloutConfig.from_yaml(path)
-        except ValueError as err:
-            raise ValueError(f"{source}={text!r}: {err}") from None
-    raise ValueError(f"{source}={text!r} is invalid; allowed: {', '.join(SCHEMES)} or a path to a .yaml file")
+        except ConfigError as err:
+            raise ConfigError(f"{source}={text!r}: {err}") from None
+    raise ConfigError(f"{source}={text!r} is invalid; allowed: {', '.join(SCHEMES)} or a path to a .yaml file")
 
 
 def parse_bool(name: str, value: str) -> bool:
-    """'1'/'true'/'yes'/'on' -> True, '0'/'false'/'no'/'off' -> False (any case); else ValueError naming `name`."""
+    """'1'/'true'/'yes'/'on' -> True, '0'/'false'/'no'/'off' -> False (any case); else ConfigError naming `name`."""
     text = value.strip().lower()
     if text in _TRUE:
         return True
     if text in _FALSE:
         return False
-    raise ValueError(f"{name}={value!r} is invalid; allowed: {'/'.join(_TRUE)} or {'/'.join(_FALSE)}")
+    raise ConfigError(f"{name}={value!r} is invalid; allowed: {'/'.join(_TRUE)} or {'/'.join(_FALSE)}")
 
 
 def _env_value(env: Mapping[str, str], name: str) -> str | None:
@@ -193,7 +220,7 @@ def _env_value(env: Mapping[str, str], name: str) -> str | None:
 def from_env(environ: Mapping[str, str] | None = None) -> RolloutConfig | None:
     """The rollout config that FLASHRL_CONFIG and FLASHRL_LMHEAD_FP32 ask for, or None when both are
     unset (or empty). FLASHRL_LMHEAD_FP32 overrides the config's `lm_head_fp32` (also a file's).
-    Raises ValueError / FileNotFoundError naming the variable on a bad value."""
+    Raises `ConfigError` naming the variable on a bad value."""
     env = os.environ if environ is None else environ
     config_value, head_value = _env_value(env, "FLASHRL_CONFIG"), _env_value(env, "FLASHRL_LMHEAD_FP32")
     if config_value is None and head_value is None:
@@ -209,7 +236,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> RolloutConfig | None:
 def parse_logging_level(value: str, name: str = "FLASHRL_LOGGING_LEVEL") -> str:
     level = value.strip().upper()
     if level not in LOGGING_LEVELS:
-        raise ValueError(f"{name}={value!r} is invalid; allowed: {', '.join(LOGGING_LEVELS)}")
+        raise ConfigError(f"{name}={value!r} is invalid; allowed: {', '.join(LOGGING_LEVELS)}")
     return level
 
 
@@ -232,10 +259,10 @@ def configure_logging(environ: Mapping[str, str] | None = None) -> logging.Logge
     if file_value is not None:
         target = Path(file_value).expanduser().resolve()
         if target.is_dir():
-            raise ValueError(f"FLASHRL_LOGGING_FILE={file_value!r} is a directory; allowed: a file path")
+            raise ConfigError(f"FLASHRL_LOGGING_FILE={file_value!r} is a directory; allowed: a file path")
         if not target.parent.is_dir():
-            raise ValueError(f"FLASHRL_LOGGING_FILE={file_value!r}: directory {str(target.parent)!r} does not exist; "
-                             f"allowed: a file path in an existing directory")
+            raise ConfigError(f"FLASHRL_LOGGING_FILE={file_value!r}: directory {str(target.parent)!r} does not exist; "
+                              f"allowed: a file path in an existing directory")
     ours = [h for h in logger.handlers if getattr(h, "_flashrl_env", None) == "file"]
     for handler in ours:
         if target is None or handler.baseFilename != str(target):
@@ -246,7 +273,7 @@ def configure_logging(environ: Mapping[str, str] | None = None) -> logging.Logge
         try:
             handler = logging.FileHandler(target, mode="a", encoding="utf-8")
         except OSError as err:
-            raise ValueError(f"FLASHRL_LOGGING_FILE={file_value!r} cannot be opened: {err}") from None
+            raise ConfigError(f"FLASHRL_LOGGING_FILE={file_value!r} cannot be opened: {err}") from None
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handler._flashrl_env = "file"  # type: ignore[attr-defined]
         logger.addHandler(handler)

@@ -166,6 +166,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from flashrl.errors import ConfigError, InputError
+
 __all__ = [
     "AGGREGATIONS",
     "DEFAULT_REJECTION_THRESHOLDS",
@@ -216,7 +218,7 @@ Threshold = float | tuple[float, float]
 
 
 def _fail(name: str, value: Any, allowed: str) -> NoReturn:
-    raise ValueError(f"CorrectionConfig.{name}={value!r} is invalid; allowed: {allowed}")
+    raise ConfigError(f"CorrectionConfig.{name}={value!r} is invalid; allowed: {allowed}")
 
 
 def _log(x: float) -> float:
@@ -373,7 +375,7 @@ class CorrectionConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown CorrectionConfig keys {unknown}; allowed: {sorted(known)}")
+            raise ConfigError(f"unknown CorrectionConfig keys {unknown}; allowed: {sorted(known)}")
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
             if key in ("cap", "log_ratio_clamp") and isinstance(value, str):
@@ -400,7 +402,7 @@ class CorrectionConfig:
         for item in spec.split():
             key, sep, value = item.partition("=")
             if not sep or not key:
-                raise ValueError(f"correction spec item {item!r} is not key=value (in {spec!r})")
+                raise ConfigError(f"correction spec item {item!r} is not key=value (in {spec!r})")
             values[key] = value
         return cls.from_dict(values)
 
@@ -409,13 +411,13 @@ def _parse_float(key: str, text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise ValueError(f"CorrectionConfig.{key}={text!r} is not a number") from None
+        raise ConfigError(f"CorrectionConfig.{key}={text!r} is not a number") from None
 
 
 def _parse_bool(key: str, text: str) -> bool:
     lowered = text.strip().lower()
     if lowered not in ("true", "false", "1", "0", "yes", "no"):
-        raise ValueError(f"CorrectionConfig.{key}={text!r} is invalid; allowed: true/false, 1/0, yes/no")
+        raise ConfigError(f"CorrectionConfig.{key}={text!r} is invalid; allowed: true/false, 1/0, yes/no")
     return lowered in ("true", "1", "yes")
 
 
@@ -459,10 +461,10 @@ class Correction:
 def _check_shapes(named: Mapping[str, torch.Tensor]) -> None:
     (first_name, first), *rest = named.items()
     if first.dim() != 2:
-        raise ValueError(f"{first_name} must be [batch, tokens], got shape {tuple(first.shape)}")
+        raise InputError(f"{first_name} must be [batch, tokens], got shape {tuple(first.shape)}")
     for name, tensor in rest:
         if tensor.shape != first.shape:
-            raise ValueError(
+            raise InputError(
                 f"shape mismatch: {first_name} has shape {tuple(first.shape)} "
                 f"but {name} has shape {tuple(tensor.shape)}"
             )
@@ -474,7 +476,7 @@ def _bool_mask(response_mask: torch.Tensor) -> torch.Tensor:
     bad = (response_mask != 0) & (response_mask != 1)
     if bad.any():
         first = tuple(bad.nonzero()[0].tolist())
-        raise ValueError(
+        raise InputError(
             f"response_mask must be bool or 0/1; it has {int(bad.sum())} other values, first "
             f"{response_mask[first].item()!r} at (batch {first[0]}, token {first[1]})"
         )
@@ -484,7 +486,7 @@ def _bool_mask(response_mask: torch.Tensor) -> torch.Tensor:
 def _valid_float(name: str, tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """fp32 copy of ``tensor`` with 0 on padding; raises if a valid token holds NaN or inf."""
     if not tensor.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+        raise InputError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
     clean = torch.where(mask, tensor.to(torch.float32), 0.0)
     # A NaN or inf on a valid token makes the sum non-finite: one reduction answers "all finite?", and the
     # element-wise scan runs only to report where (a finite sum overflowing to inf finds nothing and passes).
@@ -492,7 +494,7 @@ def _valid_float(name: str, tensor: torch.Tensor, mask: torch.Tensor) -> torch.T
         bad = ~torch.isfinite(clean.detach())
         if bad.any():
             first = tuple(bad.nonzero()[0].tolist())
-            raise ValueError(
+            raise InputError(
                 f"{name} has {int(bad.sum())} non-finite values (NaN or inf) on valid tokens; first "
                 f"{tensor[first].item()} at (batch {first[0]}, token {first[1]}). Padding is ignored; a NaN "
                 "on a response token would make the loss NaN."
@@ -833,7 +835,7 @@ def compute_correction(
     named = {"trainer_logprobs": trainer_logprobs, "rollout_logprobs": rollout_logprobs, "response_mask": response_mask}
     if old_logprobs is not None:
         if config.mode == "bypass":
-            raise ValueError(
+            raise InputError(
                 "old_logprobs was given in bypass mode, where the ratio is pi_cur / pi_roll and pi_old := pi_roll; "
                 "use mode='decoupled' to correct with an old-policy recompute"
             )
@@ -872,7 +874,7 @@ def mismatch_metrics(
     """The mismatch metrics of the module docstring (``kl`` ... ``rollout_is_ratio_fraction_low``) for
     ``trainer_logprobs`` against ``rollout_logprobs``; ``cap`` sets the ``[1/cap, cap]`` fraction band."""
     if not (_is_number(cap) and cap >= 1.0):
-        raise ValueError(f"cap={cap!r} is invalid; allowed: a number >= 1")
+        raise ConfigError(f"cap={cap!r} is invalid; allowed: a number >= 1")
     _check_shapes(
         {"trainer_logprobs": trainer_logprobs, "rollout_logprobs": rollout_logprobs, "response_mask": response_mask}
     )
@@ -937,17 +939,17 @@ def ppo_clip_loss(
         ``is_weight_mean``.
     """
     if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation={aggregation!r} is invalid; allowed: {AGGREGATIONS}")
+        raise ConfigError(f"aggregation={aggregation!r} is invalid; allowed: {AGGREGATIONS}")
     if not (_is_number(clip_low) and 0.0 <= clip_low < 1.0) or not (_is_number(clip_high) and clip_high >= 0.0):
-        raise ValueError(
+        raise ConfigError(
             f"clip_low={clip_low!r}, clip_high={clip_high!r} are invalid; allowed: 0 <= clip_low < 1, clip_high >= 0"
         )
     if dual_clip is not None and not (_is_number(dual_clip) and dual_clip > 1.0):
-        raise ValueError(f"dual_clip={dual_clip!r} is invalid; allowed: None or a number > 1 (DAPO uses 10)")
+        raise ConfigError(f"dual_clip={dual_clip!r} is invalid; allowed: None or a number > 1 (DAPO uses 10)")
     if loss_scale_denominator is not None and not (_is_number(loss_scale_denominator) and loss_scale_denominator > 0):
-        raise ValueError(f"loss_scale_denominator={loss_scale_denominator!r} is invalid; allowed: None or a number > 0")
+        raise ConfigError(f"loss_scale_denominator={loss_scale_denominator!r} is invalid; allowed: None or a number > 0")
     if max_length is not None and not (isinstance(max_length, int) and max_length > 0):
-        raise ValueError(f"max_length={max_length!r} is invalid; allowed: None or an int > 0")
+        raise ConfigError(f"max_length={max_length!r} is invalid; allowed: None or an int > 0")
 
     named = {"logprobs": logprobs, "old_logprobs": old_logprobs, "response_mask": response_mask}
     if is_weights is not None:
@@ -956,7 +958,7 @@ def ppo_clip_loss(
     if advantages.dim() == 1 and advantages.shape[0] == logprobs.shape[0]:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
     elif advantages.shape != logprobs.shape:
-        raise ValueError(
+        raise InputError(
             f"shape mismatch: logprobs has shape {tuple(logprobs.shape)} but advantages has shape "
             f"{tuple(advantages.shape)} (expected [B] or [B, T])"
         )

@@ -12,9 +12,9 @@ os.umask(_UMASK)  # read once at import: os.umask can only be read by setting it
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write `data` to `path` via a temporary file in the same directory: write, fsync, rename over
-    `path`, fsync the directory. On any error the previous `path` is untouched and the temporary
-    file is removed; the error propagates."""
-    path = Path(path)
+    `path`, fsync the directory. A symlink is followed (its target is replaced, the link kept). On any
+    error the previous `path` is untouched and the temporary file is removed; the error propagates."""
+    path = Path(os.path.realpath(path))
     try:
         mode = path.stat().st_mode & 0o777  # keep an existing file's permissions
     except OSError:

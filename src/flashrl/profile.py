@@ -84,6 +84,8 @@ from flashrl.correction import mismatch_metrics
 from flashrl.engine.model import GATE_UP_SHARDS, QKV_SHARDS
 from flashrl.engine.model_config import ModelConfig
 from flashrl.engine.sampler import SamplingParams
+from flashrl.errors import ConfigError, InputError, UnsupportedError
+from flashrl.fileio import atomic_write_text
 from flashrl.quant.linear import DEFAULT_SKIP, DenseLinear, QuantLinear
 from flashrl.quant.schemes import SCHEMES, parse_scheme_list
 from flashrl.utils import device_name, format_table
@@ -123,24 +125,26 @@ class ProfileConfig:
         text = self.quant if isinstance(self.quant, str) else ",".join(self.quant)
         names = [s.name for s in parse_scheme_list(text)]
         if "bf16" in names:
-            raise ValueError(f"--quant {text!r}: bf16 is the reference every scheme is compared with; "
-                             f"list quantized schemes only ({', '.join(s for s in SCHEMES if s != 'bf16')})")
+            raise ConfigError(f"--quant {text!r}: bf16 is the reference every scheme is compared with; "
+                              f"list quantized schemes only ({', '.join(s for s in SCHEMES if s != 'bf16')})")
         if len(set(names)) != len(names):
-            raise ValueError(f"--quant {text!r} names a scheme twice")
+            raise ConfigError(f"--quant {text!r} names a scheme twice")
         return names
 
     def check(self) -> None:
         self.schemes()
         if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold) and self.threshold > 0):
-            raise ValueError(f"--threshold {self.threshold!r} is invalid; allowed: a positive number "
-                             f"(relative output error, default {DEFAULT_THRESHOLD})")
+            raise ConfigError(f"--threshold {self.threshold!r} is invalid; allowed: a positive number "
+                              f"(relative output error, default {DEFAULT_THRESHOLD})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is invalid; allowed: {', '.join(KV_CACHE_DTYPES)}")
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is invalid; allowed: {', '.join(KV_CACHE_DTYPES)}")
         for name in ("max_prompt_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature} must be > 0 (responses are sampled)")
+            raise ConfigError(f"temperature={self.temperature} must be > 0 (responses are sampled)")
+        if self.prompts is not None:
+            read_prompts_file(self.prompts)  # a bad file fails before any model is loaded
 
 
 # ------------------------------------------------------------------------------------------------
@@ -167,26 +171,32 @@ def read_prompts_file(path: str | Path) -> list[str]:
     """Prompts from a .jsonl file (JSON strings or objects with "prompt" / "text") or a text file
     (one prompt per non-empty line). Errors name the file and line."""
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"--prompts: {str(path)!r} is a directory; expected a .txt or .jsonl file")
     if not path.is_file():
         raise FileNotFoundError(f"--prompts: file {str(path)!r} does not exist")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(f"{path}: not UTF-8 text (byte {err.start})") from None
     prompts: list[str] = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if path.suffix.lower() == ".jsonl":
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+                raise InputError(f"{path}:{number}: not valid JSON ({err.msg})") from None
             if isinstance(item, dict):
                 item = item.get("prompt", item.get("text"))
             if not isinstance(item, str) or not item:
-                raise ValueError(f'{path}:{number}: expected a JSON string or an object with a "prompt" or "text" string')
+                raise InputError(f'{path}:{number}: expected a JSON string or an object with a "prompt" or "text" string')
             prompts.append(item)
         else:
             prompts.append(line)
     if not prompts:
-        raise ValueError(f"{path}: no prompts found")
+        raise InputError(f"{path}: no prompts found")
     return prompts
 
 
@@ -195,7 +205,7 @@ def calibration_prompts(cfg: ProfileConfig, engine, max_prompt_tokens: int) -> t
     info: dict[str, Any] = {"source": "builtin", "file": None, "note": None}
     if engine.tokenizer is None:
         if cfg.prompts is not None:
-            raise ValueError(f"--prompts {cfg.prompts}: {cfg.model} has no tokenizer, so text prompts cannot be encoded")
+            raise ConfigError(f"--prompts {cfg.prompts}: {cfg.model} has no tokenizer, so text prompts cannot be encoded")
         gen = torch.Generator().manual_seed(cfg.seed)
         vocab = engine.model_config.vocab_size
         lengths = torch.randint(max(1, max_prompt_tokens // 4), max_prompt_tokens + 1, (_RANDOM_PROMPTS,), generator=gen)
@@ -210,7 +220,7 @@ def calibration_prompts(cfg: ProfileConfig, engine, max_prompt_tokens: int) -> t
     ids = [engine.tokenizer(t, add_special_tokens=True)["input_ids"][:max_prompt_tokens] for t in texts]
     ids = [p for p in ids if p]
     if not ids:
-        raise ValueError("every calibration prompt encodes to zero tokens")
+        raise InputError("every calibration prompt encodes to zero tokens")
     return ids, info
 
 
@@ -394,8 +404,8 @@ def run_profile(cfg: ProfileConfig) -> dict[str, Any]:
     schemes = cfg.schemes()
     model_config = ModelConfig.from_model_dir(cfg.model)  # clear errors for a missing or bad directory
     if cfg.kv_cache_dtype != "bf16" and not kv_cache_dtype_supported():
-        raise ValueError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: the fp8 KV cache is not available in this build "
-                         f"of flashrl (Engine has no kv_cache_dtype argument or no kv_cache_mismatch); profile without it")
+        raise UnsupportedError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: the fp8 KV cache is not available in this build "
+                               f"of flashrl (Engine has no kv_cache_dtype argument or no kv_cache_mismatch); profile without it")
     # Prompt and response budgets within the model's context.
     max_new = min(cfg.max_new_tokens, max(1, model_config.max_position_embeddings // 2))
     max_prompt = min(cfg.max_prompt_tokens, model_config.max_position_embeddings - max_new)
@@ -406,7 +416,7 @@ def run_profile(cfg: ProfileConfig) -> dict[str, Any]:
     for scheme in schemes:
         reason = scheme_unsupported_reason(scheme, device)
         if reason:
-            raise ValueError(f"--quant {scheme}: cannot run on {device}: {reason}")
+            raise UnsupportedError(f"--quant {scheme}: cannot run on {device}: {reason}")
     prompts, calibration = calibration_prompts(cfg, reference, max_prompt)
     params = _sampling(cfg, max_new)
     logger.info("profile: sampling %d bf16 responses", len(prompts))
@@ -499,9 +509,7 @@ def _finite(value: Any) -> Any:
 
 
 def write_profile(result: dict[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    path.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
-    return path
+    return atomic_write_text(path, json.dumps(result, indent=2, allow_nan=False) + "\n")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -598,10 +606,10 @@ def _require(doc: Any, path: str, source: str, kind: type | tuple[type, ...]) ->
     value = doc
     for key in path.split("."):
         if not isinstance(value, dict) or key not in value:
-            raise ValueError(f"{source}: missing field {path!r}; is this a file written by `flashrl profile`?")
+            raise InputError(f"{source}: missing field {path!r}; is this a file written by `flashrl profile`?")
         value = value[key]
     if not isinstance(value, kind) or isinstance(value, bool) and kind in (int, float, (int, float)):
-        raise ValueError(f"{source}: field {path!r} has type {type(value).__name__}; expected "
+        raise InputError(f"{source}: field {path!r} has type {type(value).__name__}; expected "
                          f"{kind.__name__ if isinstance(kind, type) else ' or '.join(k.__name__ for k in kind)}")
     return value
 
@@ -609,16 +617,18 @@ def _require(doc: Any, path: str, source: str, kind: type | tuple[type, ...]) ->
 def load_profile(path: str | Path) -> dict[str, Any]:
     """Read and validate a profile JSON; errors name the file and the field."""
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"--profile: {str(path)!r} is a directory; expected a JSON file written by `flashrl profile`")
     if not path.is_file():
         raise FileNotFoundError(f"--profile: file {str(path)!r} does not exist")
     try:
         doc = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not a JSON file ({err})") from None
+        raise InputError(f"{path}: not a JSON file ({err})") from None
     source = str(path)
     version = _require(doc, "schema_version", source, int)
     if version != SCHEMA_VERSION:
-        raise ValueError(f"{source}: schema_version {version} is not supported by this flashrl "
+        raise InputError(f"{source}: schema_version {version} is not supported by this flashrl "
                          f"(reads {SCHEMA_VERSION}); re-run `flashrl profile`")
     schemes = _require(doc, "settings.schemes", source, list)
     _require(doc, "settings.kv_cache_dtype", source, str)
@@ -627,7 +637,7 @@ def load_profile(path: str | Path) -> dict[str, Any]:
     _require(doc, "layers", source, list)
     for s in schemes:
         if s not in SCHEMES:
-            raise ValueError(f"{source}: settings.schemes names unknown scheme {s!r}; allowed: {', '.join(SCHEMES)}")
+            raise InputError(f"{source}: settings.schemes names unknown scheme {s!r}; allowed: {', '.join(SCHEMES)}")
         _require(doc, f"schemes.{s}.skip", source, list)
         _require(doc, f"schemes.{s}.mismatch", source, dict)
     for i, entry in enumerate(doc["layers"]):
@@ -648,23 +658,23 @@ def build_setup(profile: dict[str, Any], quant: str | None = None, threshold: fl
     schemes = profile["settings"]["schemes"]
     if quant is None:
         if len(schemes) != 1:
-            raise ValueError(f"{source} profiles {len(schemes)} schemes ({', '.join(schemes)}); choose one with --quant")
+            raise ConfigError(f"{source} profiles {len(schemes)} schemes ({', '.join(schemes)}); choose one with --quant")
         quant = schemes[0]
     quant = quant.strip().lower()
     if quant not in schemes:
-        raise ValueError(f"--quant {quant!r} was not profiled in {source}; allowed: {', '.join(schemes)}")
+        raise ConfigError(f"--quant {quant!r} was not profiled in {source}; allowed: {', '.join(schemes)}")
     entry = profile["schemes"][quant]
     skip, used = list(entry["skip"]), profile["settings"]["threshold"]
     if threshold is not None:
         if not (math.isfinite(threshold) and threshold > 0):
-            raise ValueError(f"--threshold {threshold!r} is invalid; allowed: a positive number")
+            raise ConfigError(f"--threshold {threshold!r} is invalid; allowed: a positive number")
         skip = list(DEFAULT_SKIP) + [n for f in recommend_skip(profile["layers"], quant, threshold) for n in f["names"]]
     kv = profile["settings"]["kv_cache_dtype"]
     try:
         config = RolloutConfig(quant=quant, skip=tuple(skip), kv_cache_dtype=kv, kv_scale="calibrated",
                                lm_head_fp32=profile["settings"]["lm_head_fp32"], logprobs_mode="processed")
-    except ValueError as err:
-        raise ValueError(f"{source}: schemes.{quant}: {err}") from None
+    except ConfigError as err:
+        raise InputError(f"{source}: schemes.{quant}: {err}") from None
     before = entry["mismatch"]["exact"]["kl"] if entry["mismatch"].get("exact") else None
     after = (entry["mismatch_after_skip"] or entry["mismatch"])["exact"]["kl"] if entry["mismatch"].get("exact") else None
     kept = len(skip) - len(DEFAULT_SKIP)
@@ -691,7 +701,7 @@ def run_setup(profile_path: str | Path, out: str | Path, quant: str | None = Non
     config, header = build_setup(profile, quant, threshold, source=str(profile_path))
     out = Path(out)
     if not out.parent.is_dir():
-        raise FileNotFoundError(f"--out: directory {str(out.parent)!r} does not exist")
+        raise ConfigError(f"--out {out}: directory {str(out.parent)!r} does not exist")
     config.to_yaml(out, header=header)
     if RolloutConfig.from_yaml(out) != config:  # the file must read back to the same config
         raise RuntimeError(f"{out} does not read back to the config it was written from")

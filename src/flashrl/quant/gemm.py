@@ -25,6 +25,7 @@ import logging
 
 import torch
 
+from flashrl.errors import UnsupportedError
 from flashrl.quant.primitives import (
     dequantize_per_block_shards,
     dequantize_per_group,
@@ -44,7 +45,7 @@ def check_gemm_shape(scheme: QuantScheme, in_features: int, out_features: int, d
         return
     multiple = 8 if scheme.code_dtype == torch.int8 else 16
     if in_features % multiple or out_features % multiple:
-        raise ValueError(
+        raise UnsupportedError(
             f"scheme {scheme.name!r} on CUDA needs in_features and out_features divisible by {multiple}, "
             f"got [{out_features}, {in_features}]; keep this layer in bf16 with skip=..."
         )

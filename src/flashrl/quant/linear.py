@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from flashrl.errors import InputError
 from flashrl.quant.gemm import check_gemm_shape, scaled_linear
 from flashrl.quant.primitives import (
     check_float_input,
@@ -55,7 +56,7 @@ class _ShardedLinear:
             raise ValueError("this layer was built without a bias")
         start, end = (0, self.out_features) if shard is None else self.shard_rows(shard)
         if tuple(bias.shape) != (end - start,):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected {(end - start,)}")
+            raise InputError(f"bias has shape {tuple(bias.shape)}; expected {(end - start,)}")
         self.bias[start:end].copy_(bias)
 
 
@@ -160,7 +161,7 @@ class QuantLinear(_ShardedLinear, nn.Module):
         expected = (rows[1] - rows[0], self.in_features)
         if tuple(weight.shape) != expected:
             what = "weight" if shard is None else f"shard {shard} weight"
-            raise ValueError(f"{what} has shape {tuple(weight.shape)}; expected {expected}")
+            raise InputError(f"{what} has shape {tuple(weight.shape)}; expected {expected}")
         weight = weight.to(self.weight.device)
         old = self.weight[rows[0] : rows[1]].clone() if count_changed else None
         if self.scheme.weight_granularity == "channel" and shard is None:
@@ -230,7 +231,7 @@ class DenseLinear(_ShardedLinear, nn.Linear):
         start, end = (0, self.out_features) if shard is None else self.shard_rows(shard)
         if tuple(weight.shape) != (end - start, self.in_features):
             what = "weight" if shard is None else f"shard {shard} weight"
-            raise ValueError(f"{what} has shape {tuple(weight.shape)}; expected {(end - start, self.in_features)}")
+            raise InputError(f"{what} has shape {tuple(weight.shape)}; expected {(end - start, self.in_features)}")
         target = self.weight[start:end]
         old = target.clone() if count_changed else None
         target.copy_(weight)

@@ -34,6 +34,7 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
+from flashrl.errors import InputError
 from flashrl.quant import kernels as _kernels
 from flashrl.quant.schemes import AMAX_EPS, QuantScheme
 
@@ -60,7 +61,7 @@ def check_float_input(x: torch.Tensor, name: str = "tensor", ndim: int | None = 
             f"(float32, bfloat16, float16 or float64)"
         )
     if ndim is not None and x.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
+        raise InputError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
 
 
 def raise_if_not_finite(x: torch.Tensor, amax: torch.Tensor, name: str) -> None:
@@ -71,7 +72,7 @@ def raise_if_not_finite(x: torch.Tensor, amax: torch.Tensor, name: str) -> None:
     bad = ~torch.isfinite(x)
     count = int(bad.sum())
     first = tuple(int(i) for i in bad.nonzero()[0].tolist())
-    raise ValueError(
+    raise InputError(
         f"{name} contains {count} non-finite value(s) (NaN or Inf), first at index {first}; "
         f"refusing to quantize it"
     )
@@ -119,7 +120,7 @@ def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dt
     if out is None:
         return
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
-        raise ValueError(
+        raise InputError(
             f"{name} has shape {tuple(out.shape)} and dtype {out.dtype}; "
             f"expected shape {tuple(shape)} and dtype {dtype}"
         )
@@ -394,8 +395,8 @@ def quantize_weight(
         if scheme.weight_granularity == "channel":
             return impl.quantize_per_row(w, scheme.code_dtype, out, scale_out, check_finite)
         return impl.quantize_per_block(w, scheme.code_dtype, scheme.block_size, out, scale_out, check_finite)
-    except ValueError as err:
-        raise ValueError(f"{name}: {err}") from None
+    except InputError as err:
+        raise InputError(f"{name}: {err}") from None
 
 
 def dequantize_weight(

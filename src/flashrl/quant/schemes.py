@@ -21,6 +21,8 @@ from typing import Literal
 
 import torch
 
+from flashrl.errors import ConfigError
+
 WeightGranularity = Literal["tensor", "channel", "block"]
 ActivationGranularity = Literal["tensor", "token", "group"]
 
@@ -74,12 +76,12 @@ SCHEMES: dict[str, QuantScheme] = {
 def get_scheme(scheme: str | QuantScheme) -> QuantScheme:
     """Return the scheme named `scheme` (a `QuantScheme` passes through).
 
-    Raises ValueError naming the allowed schemes when the name is unknown.
+    Raises `ConfigError` (a ValueError) naming the allowed schemes when the name is unknown.
     """
     if isinstance(scheme, QuantScheme):
         return scheme
     if not isinstance(scheme, str) or scheme.strip().lower() not in SCHEMES:
-        raise ValueError(
+        raise ConfigError(
             f"unknown quantization scheme {scheme!r}; allowed: {', '.join(SCHEMES)}"
         )
     return SCHEMES[scheme.strip().lower()]
@@ -89,5 +91,5 @@ def parse_scheme_list(text: str) -> list[QuantScheme]:
     """Parse a comma-separated list such as ``"bf16,int8,fp8"`` (CLI flags)."""
     names = [part for part in (p.strip() for p in text.split(",")) if part]
     if not names:
-        raise ValueError(f"empty scheme list {text!r}; allowed: {', '.join(SCHEMES)}")
+        raise ConfigError(f"empty scheme list {text!r}; allowed: {', '.join(SCHEMES)}")
     return [get_scheme(name) for name in names]

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from flashrl.errors import ConfigError, InputError
+
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+        raise InputError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     return rewards.float().view(-1, group_size)
 
 
@@ -29,12 +31,12 @@ def group_advantages(
 ) -> torch.Tensor:
     """Per-sample advantages [N] from rewards [N]; see the module table."""
     if estimator not in ADVANTAGES:
-        raise ValueError(f"advantage estimator {estimator!r} is invalid; allowed: {', '.join(ADVANTAGES)}")
+        raise ConfigError(f"advantage estimator {estimator!r} is invalid; allowed: {', '.join(ADVANTAGES)}")
     g = _groups(rewards, group_size)
     centered = g - g.mean(dim=1, keepdim=True)
     if estimator == "rloo":
         if group_size < 2:
-            raise ValueError("rloo needs group_size >= 2")
+            raise ConfigError("rloo needs group_size >= 2")
         return (centered * group_size / (group_size - 1)).reshape(-1)
     if estimator == "grpo" and norm_by_std and group_size > 1:
         return (centered / (g.std(dim=1, keepdim=True) + eps)).reshape(-1)
@@ -47,7 +49,7 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor
     if buffer <= 0:
         return torch.zeros_like(lengths, dtype=torch.float32)
     if buffer >= max_length:
-        raise ValueError(f"overlong buffer {buffer} must be smaller than the maximum length {max_length}")
+        raise ConfigError(f"overlong buffer {buffer} must be smaller than the maximum length {max_length}")
     start = max_length - buffer
     over = (lengths.float() - start).clamp(min=0)
     return -(over / buffer).clamp(max=1.0) * factor
@@ -71,4 +73,4 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
         return diff.pow(2) / 2
     if kind == "k3":
         return diff.exp() - diff - 1
-    raise ValueError(f"KL estimator {kind!r} is invalid; allowed: k1, k2, k3")
+    raise ConfigError(f"KL estimator {kind!r} is invalid; allowed: k1, k2, k3")

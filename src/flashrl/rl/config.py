@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import yaml
 
+from flashrl.config import read_yaml
 from flashrl.correction import CorrectionConfig
 from flashrl.errors import ConfigError
+from flashrl.fileio import atomic_write_text
 from flashrl.quant.schemes import SCHEMES
 from flashrl.rl.algo import ADVANTAGES
 from flashrl.rl.rewards import REWARDS
@@ -135,27 +138,27 @@ class TrainConfig:
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; allowed: {', '.join(allowed)}")
+                raise ConfigError(f"{name}={getattr(self, name)!r} is invalid; allowed: {', '.join(allowed)}")
         positive = ("steps", "batch_size", "group_size", "mini_batches", "micro_batch_size", "max_prompt_tokens",
                     "max_response_tokens", "max_batch")
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive integer")
         if self.batch_size % self.group_size:
-            raise ValueError(f"batch_size={self.batch_size} is not divisible by group_size={self.group_size}; "
-                             f"batch_size counts sequences (prompts per step x group_size)")
+            raise ConfigError(f"batch_size={self.batch_size} is not divisible by group_size={self.group_size}; "
+                              f"batch_size counts sequences (prompts per step x group_size)")
         if (self.batch_size // self.mini_batches) * self.mini_batches != self.batch_size or \
                 (self.batch_size // self.mini_batches) % self.group_size:
-            raise ValueError(f"batch_size={self.batch_size} must split into mini_batches={self.mini_batches} "
-                             f"whole groups of {self.group_size}")
+            raise ConfigError(f"batch_size={self.batch_size} must split into mini_batches={self.mini_batches} "
+                              f"whole groups of {self.group_size}")
         if self.lr <= 0 or self.grad_clip < 0 or self.kl_coef < 0 or self.tis_cap < 0:
-            raise ValueError("lr must be > 0; grad_clip, kl_coef and tis_cap must be >= 0")
+            raise ConfigError("lr must be > 0; grad_clip, kl_coef and tis_cap must be >= 0")
         if self.group_size < 2 and self.advantage != "drgrpo":
-            raise ValueError(f"advantage={self.advantage!r} needs group_size >= 2")
+            raise ConfigError(f"advantage={self.advantage!r} needs group_size >= 2")
         self.correction_config()  # raises on invalid correction settings
         self.llm_kwargs()
         if self.correction_mode == "bypass" and self.mini_batches > 1:
-            raise ValueError("correction_mode='bypass' takes the PPO ratio against the rollout policy; use mini_batches=1")
+            raise ConfigError("correction_mode='bypass' takes the PPO ratio against the rollout policy; use mini_batches=1")
         if self.keep_last is not None and (isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int)
                                            or self.keep_last < 1):
             raise ConfigError(f"keep_last={self.keep_last!r} must be a positive integer (or none to keep every checkpoint)")
@@ -198,9 +201,9 @@ class TrainConfig:
         try:
             value = json.loads(self.vllm_kwargs)
         except json.JSONDecodeError as err:
-            raise ValueError(f"vllm_kwargs={self.vllm_kwargs!r} is not valid JSON ({err.msg})") from None
+            raise ConfigError(f"vllm_kwargs={self.vllm_kwargs!r} is not valid JSON ({err.msg})") from None
         if not isinstance(value, dict):
-            raise ValueError(f"vllm_kwargs={self.vllm_kwargs!r} must be a JSON object")
+            raise ConfigError(f"vllm_kwargs={self.vllm_kwargs!r} must be a JSON object")
         return value
 
     # ------------------------------------------------------------------ I/O
@@ -209,51 +212,85 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def save_yaml(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-        return path
+        return atomic_write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-def field_types() -> dict[str, type]:
+def field_types() -> dict[str, Any]:
     hints = get_type_hints(TrainConfig)
     return {f.name: hints[f.name] for f in fields(TrainConfig)}
 
 
-def coerce(name: str, value: Any) -> Any:
-    """Convert a string from the command line (or a YAML scalar) to the field's type."""
+_KINDS = {bool: ("a boolean", "true or false"), int: ("an integer",) * 2, float: ("a number",) * 2,
+          str: ("a string",) * 2}
+
+
+def coerce(name: str, value: Any, source: str | None = None) -> Any:
+    """Convert a command-line string or a YAML value to the field's type (``int | None`` etc.).
+
+    Strings are parsed (``"10"``, ``"true"``, ``"none"``); YAML values must already have the type, except
+    that an int is a valid float and a number a valid string. Errors name `source` (the file), the
+    field, the value and the expected type."""
     hint = field_types()[name]
-    text = str(hint)
-    optional = "None" in text
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
+    kinds = [t for t in getattr(hint, "__args__", (hint,)) if t is not type(None)]
+    optional = type(None) in getattr(hint, "__args__", ())
+    kind = kinds[0]
+    prefix = f"{source}: " if source else ""
+
+    def bad(detail: str = "") -> ConfigError:
+        what, expected = _KINDS[kind]
+        expected += " or none" if optional else ""
+        return ConfigError(f"{prefix}{name}={value!r} is not {what}{detail}; expected {expected}")
+
+    if value is None or (optional and isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
         if not optional:
-            raise ValueError(f"{name} cannot be empty")
+            raise ConfigError(f"{prefix}{name} cannot be empty; expected {_KINDS[kind][1]}")
         return None
-    if isinstance(value, str):
-        if "bool" in text:
-            low = value.lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(f"{name}={value!r} is not a boolean; use true or false")
-        try:
-            if "int" in text:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        low = value.strip().lower() if isinstance(value, str) else None
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise bad()
+    if kind is int:
+        if isinstance(value, str):
+            try:
                 return int(value)
-            if "float" in text:
-                return float(value)
-        except ValueError:
-            kind = "an integer" if "int" in text else "a number"
-            raise ValueError(f"{name}={value!r} is not {kind}") from None
-    return value
+            except ValueError:
+                raise bad() from None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad()
+    if kind is float:
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                raise bad() from None
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        else:
+            raise bad()
+        if math.isnan(number):
+            raise bad(" (NaN)")
+        return number
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # e.g. `rejection_thresholds: 0.01`
+    if name == "vllm_kwargs" and isinstance(value, dict):
+        return json.dumps(value)  # a YAML mapping of vllm.LLM arguments
+    raise bad()
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    """A YAML file of TrainConfig fields (`yaml.safe_load`: nothing in it can run code)."""
+    data = read_yaml(path)
+    data = {} if data is None else data
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of TrainConfig fields")
+        raise ConfigError(f"{path}: expected a mapping of TrainConfig fields, got {type(data).__name__}")
     return data
 
 
@@ -262,16 +299,17 @@ def build_config(preset: str | None, yaml_path: str | None, overrides: dict[str,
     from flashrl.rl.presets import PRESETS
 
     if preset is not None and preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
     allowed = set(field_types())
     values: dict[str, Any] = dict(PRESETS[preset]) if preset else {}
     explicit: set[str] = set()
-    for source, layer in (("YAML", load_yaml(yaml_path) if yaml_path else {}), ("overrides", overrides)):
-        unknown = sorted(set(layer) - allowed)
+    layers = (("YAML", str(yaml_path), load_yaml(yaml_path) if yaml_path else {}), ("overrides", None, overrides))
+    for source, path, layer in layers:
+        unknown = sorted(map(str, set(layer) - allowed))
         if unknown:
-            raise ValueError(f"unknown config key(s) in {source}: {', '.join(unknown)}; "
-                             f"allowed: {', '.join(sorted(allowed))}")
-        values.update({k: coerce(k, v) for k, v in layer.items()})
+            raise ConfigError(f"unknown config key(s) in {path or source}: {', '.join(unknown)}; "
+                              f"allowed: {', '.join(sorted(allowed))}")
+        values.update({k: coerce(k, v, path) for k, v in layer.items()})
         explicit |= set(layer)
     if values.get("rollout_config") and "rollout_quant" not in explicit:
         # a flashrl.yaml (from `flashrl setup`) names its scheme; a preset's default must not override it

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from flashrl.errors import ConfigError, InputError, UnsupportedError
+
 
 @dataclass(frozen=True)
 class Example:
@@ -37,9 +39,9 @@ class ArithmeticTask:
 
     def __post_init__(self) -> None:
         if not self.ops or set(self.ops) - set("+-*"):
-            raise ValueError(f"ops={self.ops!r} is invalid; use a non-empty combination of '+', '-', '*'")
+            raise ConfigError(f"ops={self.ops!r} is invalid; use a non-empty combination of '+', '-', '*'")
         if self.max_operand < 1:
-            raise ValueError(f"max_operand={self.max_operand} must be >= 1")
+            raise ConfigError(f"max_operand={self.max_operand} must be >= 1")
 
     def example(self, rng: random.Random) -> Example:
         a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
@@ -66,20 +68,27 @@ class FileDataset:
     prompt_template: str = "{prompt}"
 
     def __post_init__(self) -> None:
+        if "{prompt}" not in self.prompt_template:
+            raise ConfigError(f"prompt_template {self.prompt_template!r} must contain '{{prompt}}'")
         rows = read_rows(self.path)
         if not rows:
-            raise ValueError(f"dataset {self.path} has no rows")
-        fields = list(rows[0])
-        missing = [f for f in (self.prompt_field, self.answer_field) if f not in rows[0]]
-        if missing:
-            raise ValueError(
-                f"dataset {self.path} has no field(s) {', '.join(map(repr, missing))}; fields found: {', '.join(fields)} "
-                f"(choose them with --prompt-field / --answer-field)"
-            )
-        if "{prompt}" not in self.prompt_template:
-            raise ValueError(f"prompt_template {self.prompt_template!r} must contain '{{prompt}}'")
-        self.examples = [Example(self.prompt_template.format(prompt=str(r[self.prompt_field])), str(r[self.answer_field]))
-                         for r in rows]
+            raise InputError(f"dataset {self.path} has no rows")
+        for number, row in enumerate(rows, 1):
+            if not isinstance(row, dict):
+                raise InputError(f"dataset {self.path}: row {number} is a {type(row).__name__}; expected an object "
+                                 f"with fields {self.prompt_field!r} and {self.answer_field!r}")
+            missing = [f for f in (self.prompt_field, self.answer_field) if f not in row]
+            if missing:
+                raise InputError(
+                    f"dataset {self.path}: row {number} has no field(s) {', '.join(map(repr, missing))}; fields found: "
+                    f"{', '.join(map(str, row))} (choose them with --prompt-field / --answer-field)"
+                )
+        try:
+            self.examples = [Example(self.prompt_template.format(prompt=str(r[self.prompt_field])),
+                                     str(r[self.answer_field])) for r in rows]
+        except (KeyError, IndexError, ValueError) as err:  # other {fields} or stray braces in the template
+            raise ConfigError(f"prompt_template {self.prompt_template!r} is invalid ({type(err).__name__}: {err}); "
+                              f"it may use {{prompt}} only (write {{{{ and }}}} for literal braces)") from None
 
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.examples)))
@@ -97,30 +106,43 @@ class FileDataset:
 def read_rows(path: str | Path) -> list[dict]:
     """Rows of a .jsonl / .json (list of objects) / .parquet file."""
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"dataset {str(path)!r} is a directory; expected a .jsonl, .json or .parquet file")
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
     suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise InputError(f"{path}: not UTF-8 text (byte {err.start})") from None
     if suffix == ".jsonl":
         rows = []
-        for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        for line_no, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
+                    raise InputError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
         return rows
     if suffix == ".json":
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise InputError(f"{path}: not valid JSON (line {err.lineno}: {err.msg})") from None
         if not isinstance(data, list):
-            raise ValueError(f"{path}: expected a JSON list of objects")
+            raise InputError(f"{path}: expected a JSON list of objects")
         return data
     if suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise ImportError(f"reading {path} needs pyarrow: pip install 'flashrl[data]'") from None
-        return pq.read_table(path).to_pylist()
-    raise ValueError(f"dataset {path}: unsupported file type {suffix!r}; allowed: .jsonl, .json, .parquet")
+            raise UnsupportedError(f"reading {path} needs pyarrow: pip install 'flashrl[data]'") from None
+        try:
+            return pq.read_table(path).to_pylist()
+        except ValueError as err:  # pyarrow.ArrowInvalid: not a parquet file, damaged
+            raise InputError(f"{path}: not a readable parquet file ({err})") from None
+    raise InputError(f"dataset {path}: unsupported file type {suffix!r}; allowed: .jsonl, .json, .parquet")
 
 
 def render_prompt(tokenizer, text: str, use_chat_template: bool = True, system: str | None = None) -> str:

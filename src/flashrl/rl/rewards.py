@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from flashrl.errors import ConfigError
+
 RewardFn = Callable[[str, str], float]
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -83,5 +85,5 @@ def register_reward(name: str, fn: RewardFn) -> None:
 
 def get_reward(name: str) -> RewardFn:
     if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}; allowed: {', '.join(REWARDS)}")
+        raise ConfigError(f"unknown reward {name!r}; allowed: {', '.join(REWARDS)}")
     return REWARDS[name]

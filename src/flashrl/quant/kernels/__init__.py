@@ -33,6 +33,8 @@ from types import ModuleType
 
 import torch
 
+from flashrl.errors import ConfigError, UnsupportedError
+
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "FLASHRL_QUANT_KERNELS"
@@ -41,6 +43,10 @@ MODES = ("auto", "triton", "torch")
 _override: str | None = None
 _logged: set[tuple[str, str, str]] = set()
 _triton_found: bool | None = None
+
+
+class KernelsUnavailableError(UnsupportedError, RuntimeError):
+    """The Triton kernels were asked for but cannot run here (also a RuntimeError, as before)."""
 
 
 def triton_available() -> bool:
@@ -64,7 +70,7 @@ def get_mode() -> str:
     if not value:
         return "auto"
     if value not in MODES:
-        raise ValueError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not a kernel mode; allowed: {', '.join(MODES)}")
+        raise ConfigError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not a kernel mode; allowed: {', '.join(MODES)}")
     return value
 
 
@@ -74,7 +80,7 @@ def set_mode(mode: str | None) -> None:
     if mode is not None:
         mode = mode.strip().lower()
         if mode not in MODES:
-            raise ValueError(f"unknown kernel mode {mode!r}; allowed: {', '.join(MODES)}")
+            raise ConfigError(f"unknown kernel mode {mode!r}; allowed: {', '.join(MODES)}")
     _override = mode
 
 
@@ -102,7 +108,7 @@ def unsupported_reason(x: torch.Tensor) -> str | None:
 def use_triton(x: torch.Tensor) -> bool:
     """Whether quantizing `x` runs the Triton kernels (True) or the torch reference (False).
 
-    Raises RuntimeError when the mode is ``triton`` and the kernels cannot run on `x`.
+    Raises `KernelsUnavailableError` when the mode is ``triton`` and the kernels cannot run on `x`.
     """
     mode = get_mode()
     if mode == "torch":
@@ -110,7 +116,7 @@ def use_triton(x: torch.Tensor) -> bool:
     elif mode == "triton":
         reason = unsupported_reason(x)
         if reason is not None:
-            raise RuntimeError(f"{ENV_VAR}=triton (or set_mode('triton')) but {reason}; use 'auto' or 'torch'")
+            raise KernelsUnavailableError(f"{ENV_VAR}=triton (or set_mode('triton')) but {reason}; use 'auto' or 'torch'")
         choice = True
     else:
         choice = x.is_cuda and triton_available()
@@ -157,7 +163,7 @@ def kernels_for(x: torch.Tensor) -> ModuleType:
     (Triton's meaning of the variable), compiled otherwise. Raises where neither can run."""
     reason = unsupported_reason(x)
     if reason is not None:
-        raise RuntimeError(f"Triton quantization kernels cannot run: {reason}")
+        raise KernelsUnavailableError(f"Triton quantization kernels cannot run: {reason}")
     return _load(interpret=interpreter_enabled() or not x.is_cuda)
 
 

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashrl.errors import InputError
 from flashrl.quant.primitives import _check_out, block_grid, qmax_of, raise_if_not_finite
 from flashrl.quant.schemes import AMAX_EPS
 
@@ -255,10 +256,10 @@ def _check_args(x: torch.Tensor, code_dtype: torch.dtype, *outs: torch.Tensor | 
     """Validate what the reference validates implicitly; return qmax."""
     qmax = qmax_of(code_dtype)
     if x.dim() != 2:
-        raise ValueError(f"tensor must be 2-D, got shape {tuple(x.shape)}")
+        raise InputError(f"tensor must be 2-D, got shape {tuple(x.shape)}")
     for out in outs:
         if out is not None and out.device != x.device:
-            raise ValueError(f"output buffer is on {out.device}, the input on {x.device}; they must match")
+            raise InputError(f"output buffer is on {out.device}, the input on {x.device}; they must match")
     return qmax
 
 
@@ -323,9 +324,9 @@ def quantize_per_tensor(
     qmax = _check_args(x, code_dtype, out, scale_out)
     _check_out(out, tuple(x.shape), code_dtype, "out")
     if scale_out is not None and scale_out.numel() != 1:
-        raise ValueError(f"scale_out has shape {tuple(scale_out.shape)}; a per-tensor scale has one element")
+        raise InputError(f"scale_out has shape {tuple(scale_out.shape)}; a per-tensor scale has one element")
     if x.numel() == 0:
-        raise ValueError("cannot quantize an empty tensor per tensor (its amax is undefined)")
+        raise InputError("cannot quantize an empty tensor per tensor (its amax is undefined)")
     out = torch.empty(x.shape, dtype=code_dtype, device=x.device) if out is None else out
     scale = torch.empty((), dtype=torch.float32, device=x.device) if scale_out is None else scale_out
     m, k = x.shape
