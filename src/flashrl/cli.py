@@ -6,30 +6,130 @@
     flashrl profile  --model DIR --quant int8[,fp8,...] [--prompts FILE] [--kv-cache-dtype fp8] --out profile.json
     flashrl setup    --profile profile.json [--quant SCHEME] --out flashrl.yaml
     flashrl verify   [--device cuda] [--quant int8,fp8] [--no-vllm]
+
+Errors (docs/reliability.md): a bad input (`flashrl.errors.FlashRLError`, a YAML or safetensors error,
+an OS error on a path) prints one line ``flashrl <cmd>: error: <message>`` and exits 2, before any work
+where it can be checked up front (device, output paths, FLASHRL_* variables). Anything else is a bug
+and keeps its traceback; ``-v`` shows the traceback of user errors too.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
+import math
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
+from flashrl.errors import ConfigError, FlashRLError, InputError, UnsupportedError
+from flashrl.fileio import atomic_write_text
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.quant.schemes import SCHEMES
 
 logger = logging.getLogger("flashrl")
 
+UserError = ConfigError
+"""The CLI's former error type, kept as a name for `ConfigError`."""
 
-class UserError(Exception):
-    """An error caused by the user's input: printed as one line, exit code 2."""
+_DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda when available)"
 
 
 def _common_engine_args(p: argparse.ArgumentParser, quant_help: str) -> None:
     p.add_argument("--quant", default=None, help=quant_help)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, help=_DEVICE_HELP)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="activation dtype (default: bf16)")
+
+
+# ------------------------------------------------------------------------------------------ checks before the work
+
+
+def check_device(device: str | None, flag: str = "--device") -> None:
+    """Refuse a device this machine cannot run (ConfigError for a bad name, UnsupportedError for CUDA
+    without CUDA) before a model is loaded."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{flag} {device!r} is invalid; allowed: cpu, cuda or cuda:N")
+    if parsed.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = (f"this torch {torch.__version__} is built without CUDA" if torch.version.cuda is None
+               else f"no CUDA GPU is visible to torch {torch.__version__} (CUDA {torch.version.cuda})")
+        raise UnsupportedError(f"{flag} {device}: CUDA is not available on this machine ({why}); use --device cpu")
+    if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise UnsupportedError(f"{flag} {device}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                               f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+
+
+def _same_file(a: str | Path, b: str | Path) -> bool:
+    try:
+        return os.path.realpath(a) == os.path.realpath(b) or os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_output(flag: str, out: str | None, inputs: Mapping[str, str | None] | None = None) -> None:
+    """Refuse an output path that the write at the end would fail on or that would destroy an input:
+    an existing directory, a missing or read-only parent directory, or the same file as an input."""
+    if not out:
+        return
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"{flag} {out}: is a directory; give a file path")
+    for input_flag, value in (inputs or {}).items():
+        if value and _same_file(path, Path(value).expanduser()):
+            raise ConfigError(f"{flag} {out}: is the same file as {input_flag} {value}; writing it would destroy "
+                              f"the input: choose another {flag}")
+    parent = Path(os.path.realpath(path)).parent
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {out}: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {out}: directory {str(parent)!r} is not writable")
+
+
+def check_environment() -> None:
+    """Validate every FLASHRL_* variable (ConfigError naming it) before the work starts."""
+    from flashrl.config import from_env
+    from flashrl.quant.kernels import get_mode
+
+    from_env()
+    get_mode()
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """The checks every subcommand gets before its work: the device and the output file."""
+    check_device(getattr(args, "device", None))
+    if getattr(args, "out", None):
+        inputs = {f"--{name.replace('_', '-')}": getattr(args, name) for name in getattr(args, "inputs", ())}
+        check_output("--out", args.out, inputs)
+
+
+def _strict_json(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None: `json.dumps(allow_nan=False)` then never
+    writes NaN / Infinity, which are not JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+    """Strict JSON text (non-finite numbers as null)."""
+    return json.dumps(_strict_json(value), allow_nan=False, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------ generate
@@ -43,7 +143,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     _common_engine_args(p, f"weight scheme: {', '.join(SCHEMES)} or a flashrl.yaml (default: FLASHRL_CONFIG or bf16)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append", help="prompt text (repeat for several)")
-    prompt.add_argument("--prompt-ids", action="append", help="comma-separated token ids (repeat for several)")
+    prompt.add_argument("--prompt-ids", action="append",
+                        help="comma-separated token ids, e.g. 5,9,17 (repeat for several)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -52,22 +153,41 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", action="store_true", help="print each token's processed logprob")
-    p.add_argument("--json", action="store_true", help="print the rollouts as JSON lines")
+    p.add_argument("--json", action="store_true",
+                   help="print the rollouts as JSON lines (strict JSON: a logprob that is not finite, e.g. -inf, "
+                        "is null)")
     p.set_defaults(run=run_generate)
 
 
+def parse_prompt_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
+    """'5,9,17' -> [5, 9, 17] (empty items are skipped); InputError naming `flag` otherwise."""
+    ids = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        try:
+            ids.append(int(item))
+        except ValueError:
+            raise InputError(f"{flag} {text!r}: {item!r} is not an integer; token ids are comma-separated "
+                             f"integers, e.g. {flag} 5,9,17") from None
+    if not ids:
+        raise InputError(f"{flag} {text!r} holds no token id; token ids are comma-separated integers, "
+                         f"e.g. {flag} 5,9,17")
+    return ids
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    prompts = args.prompt or [parse_prompt_ids(ids) for ids in args.prompt_ids]
     from flashrl.engine import Engine, SamplingParams
 
-    prompts = args.prompt or [[int(t) for t in ids.split(",") if t.strip()] for ids in args.prompt_ids]
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=args.max_tokens,
                             n=args.n, seed=args.seed, ignore_eos=args.ignore_eos)
     engine = Engine(args.model, quant=args.quant, dtype=args.dtype, device=args.device,
                     max_batch=max(1, min(64, len(prompts) * args.n)))
     for r in engine.generate(prompts, params):
         if args.json:
-            print(json.dumps(dict(prompt_index=r.prompt_index, sample_index=r.sample_index, text=r.text,
-                                  response_ids=r.response_ids, logprobs=r.logprobs, finish_reason=r.finish_reason)))
+            print(dumps(dict(prompt_index=r.prompt_index, sample_index=r.sample_index, text=r.text,
+                             response_ids=r.response_ids, logprobs=r.logprobs, finish_reason=r.finish_reason)))
             continue
         print(f"[prompt {r.prompt_index} sample {r.sample_index}] ({r.finish_reason}, {len(r.response_ids)} tokens, "
               f"quant={engine.config.quant})")
@@ -108,18 +228,16 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help="padded prompt tokens per prefill forward (default: the engine's, 16384); bounds prefill memory")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help=_DEVICE_HELP)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf", action="store_true", help="also time transformers generate on the same prompts")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
-    p.add_argument("--out", default="bench.json", help="JSON output file")
-    p.set_defaults(run=run_bench)
+    p.add_argument("--out", default="bench.json", help="JSON output file ('' for none; non-finite numbers are null)")
+    p.set_defaults(run=run_bench, inputs=("random_weights",))
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import torch
 
     from flashrl.bench import BenchConfig, format_rows, run_bench as bench
@@ -138,7 +256,7 @@ def run_bench(args: argparse.Namespace) -> int:
           f"batch {cfg.batch}, prompt {cfg.prompt_len}, output {cfg.output_len} tokens"
           + (f"; max_sequences for a {cfg.kv_budget_gib:g} GiB KV budget" if cfg.kv_budget_gib is not None else ""))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        atomic_write_text(args.out, dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
 
@@ -169,7 +287,7 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
     while i < len(tokens):
         token = tokens[i]
         if not token.startswith("--") or len(token) <= 2:
-            raise UserError(f"unexpected argument {token!r}; overrides look like --key value")
+            raise ConfigError(f"unexpected argument {token!r}; overrides look like --key value")
         key, eq, value = token[2:].partition("=")
         if not eq:
             if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
@@ -186,6 +304,9 @@ def run_train(args: argparse.Namespace) -> int:
     from flashrl.rl.run import run
 
     config = build_config(args.preset, args.config, parse_overrides(args.overrides))
+    check_device(config.device, "device")
+    if Path(config.output_dir).exists() and not Path(config.output_dir).is_dir():
+        raise ConfigError(f"output_dir={config.output_dir!r} is a file; expected a directory (created if missing)")
     run(config)
     return 0
 
@@ -216,20 +337,16 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=128, help="prompts are cut to this many tokens (default: 128)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="sampled response length (default: 64)")
     p.add_argument("--lm-head-fp32", action="store_true", help="profile with the LM head and logits in fp32")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, help=_DEVICE_HELP)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="activation dtype (default: bf16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="profile.json", help="JSON output file (default: profile.json)")
-    p.set_defaults(run=run_profile)
+    p.set_defaults(run=run_profile, inputs=("prompts",))
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from flashrl.profile import ProfileConfig, format_profile, run_profile as profile, write_profile
 
-    if not Path(args.out).resolve().parent.is_dir():
-        raise UserError(f"--out {args.out}: directory {str(Path(args.out).resolve().parent)!r} does not exist")
     result = profile(ProfileConfig(model=args.model, quant=args.quant, prompts=args.prompts,
                                    kv_cache_dtype=args.kv_cache_dtype, threshold=args.threshold,
                                    max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
@@ -254,7 +371,7 @@ def add_setup(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threshold", type=float, default=None,
                    help="re-derive the skip list from the per-layer errors at this threshold (default: the profile's)")
     p.add_argument("--out", default="flashrl.yaml", help="YAML output file (default: flashrl.yaml)")
-    p.set_defaults(run=run_setup)
+    p.set_defaults(run=run_setup, inputs=("profile",))
 
 
 def run_setup(args: argparse.Namespace) -> int:
@@ -279,7 +396,7 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
                                    "references, reload exactness (update vs fresh load), logprob exactness vs float64 "
                                    "recomputation, KV-cache path vs full forward, and the vLLM backend if installed. "
                                    "Exits 1 if any check fails; SKIP rows (e.g. a scheme this GPU cannot run) do not.")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, help=_DEVICE_HELP)
     p.add_argument("--quant", default=None, help=f"comma-separated schemes to check (default: all: {', '.join(SCHEMES)})")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM backend check even if vLLM is installed")
     p.add_argument("--out", default=None, help="also write the results as JSON to this file")
@@ -288,7 +405,6 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
 
 def run_verify(args: argparse.Namespace) -> int:
     import time
-    from pathlib import Path
 
     import torch
 
@@ -302,7 +418,7 @@ def run_verify(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     print(format_results(results, device, seconds))
     if args.out:
-        Path(args.out).write_text(json.dumps(results_json(results, device, seconds), indent=2) + "\n")
+        atomic_write_text(args.out, dumps(results_json(results, device, seconds), indent=2) + "\n")
         print(f"wrote {args.out}")
     return exit_code(results)
 
@@ -320,6 +436,47 @@ def build_parser() -> argparse.ArgumentParser:
     for add in SUBCOMMANDS:
         add(sub)
     return parser
+
+
+def user_error_message(err: BaseException) -> str | None:
+    """The one-line message for an error caused by the user's input or files; None for anything else
+    (a bug, which keeps its traceback)."""
+    if isinstance(err, FlashRLError):
+        message = str(err)
+    elif isinstance(err, OSError) and (err.filename is not None or isinstance(err, _PATH_ERRORS)
+                                       or err.errno in _DISK_ERRNOS):
+        if err.filename is not None and err.strerror:
+            files = f"{err.filename} -> {err.filename2}" if err.filename2 is not None else f"{err.filename}"
+            message = f"{files}: {err.strerror}"
+        else:
+            message = str(err)
+    elif _is_yaml_error(err):
+        from flashrl.config import yaml_problem
+
+        message = f"not valid YAML ({yaml_problem(err)})"
+    elif _is_safetensors_error(err):
+        message = f"not a valid safetensors file ({err})"
+    else:
+        return None
+    return " ".join(message.split())
+
+
+_PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+def _is_yaml_error(err: BaseException) -> bool:
+    import yaml
+
+    return isinstance(err, yaml.YAMLError)
+
+
+def _is_safetensors_error(err: BaseException) -> bool:
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # older safetensors
+        return False
+    return isinstance(err, SafetensorError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -340,11 +497,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.setLevel(logging.INFO if args.verbose else logging.WARNING)
     try:
         configure_logging()
+        check_environment()
+        preflight(args)
         return args.run(args)
-    except (UserError, ValueError, FileNotFoundError, KeyError) as err:
-        if args.verbose:
+    except Exception as err:
+        message = user_error_message(err)
+        if message is None or args.verbose:
             raise
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"flashrl {args.command}: error: {message}", file=sys.stderr)
         return 2
 
