@@ -36,7 +36,8 @@ def good_tensors(e: Engine, gen: torch.Generator) -> list[tuple[str, torch.Tenso
     """Valid new values for a quantized shard, a whole layer, a norm, a bias and the embeddings:
     each would change the engine if it were applied."""
     names = ["model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
-             "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.q_proj.bias", "model.embed_tokens.weight"]
+             "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.q_proj.bias",
+             "model.embed_tokens.weight"]
     out = []
     for name in (n for n in names if n in e.weights.expected):
         shape = e.weights._expected_shape(e.weights.resolve(name)[0])
@@ -118,7 +119,8 @@ def test_error_messages_say_what_is_allowed(tiny_models):
         ((k, torch.zeros(32, 64, dtype=torch.int32)), r"dtype torch\.int32.*float32, bfloat16, float16 or float64"),
         ((k, torch.empty(32, 64, device="meta")), r"meta device.*no data"),
         ((k, torch.zeros(32, 65)), r"shape \(32, 65\); expected \(32, 64\)"),
-        ((k, torch.full((32, 64), float("inf"))), r"2048 non-finite value\(s\) \(NaN or Inf\), first at index \(0, 0\)"),
+        ((k, torch.full((32, 64), float("inf"))),
+         r"2048 non-finite value\(s\) \(NaN or Inf\), first at index \(0, 0\)"),
         (("model.layers.0.self_attn.k_prj.weight", torch.zeros(32, 64)), r"unexpected tensor.*similar expected names"),
     ]
     for (name, tensor), message in cases:

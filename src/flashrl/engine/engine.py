@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -49,10 +51,10 @@ from flashrl.engine.decode import DecodeStep
 from flashrl.engine.kv_cache import KVCache
 from flashrl.engine.kv_calibration import KVScales, RecentSequences, calibrate_model
 from flashrl.engine.model import Decoder, ForwardBatch, attention_mask
-from flashrl.engine.model_config import ModelConfig
+from flashrl.engine.model_config import TOKEN_IDS_ALLOWED, ModelConfig, read_json, token_ids
 from flashrl.engine.sampler import SamplingParams, replay_processed_logprobs, sample
 from flashrl.engine.weights import WeightMap
-from flashrl.errors import WeightError
+from flashrl.errors import CheckpointError, ConfigError, InputError, UnsupportedError, WeightError
 from flashrl.quant.linear import QuantLinear
 from flashrl.rollout import Rollout
 from flashrl.utils import synchronize
@@ -178,9 +180,9 @@ class Engine:
         self.config = RolloutConfig.from_dict({**config.to_dict(), **overrides}) if overrides else config
         self.kv_scale_granularity = _kv_granularity(self.config, kv_scale, kv_scale_granularity)
         self.kv_calibrated = self.config.kv_cache_dtype == "fp8" and self.config.kv_scale == "calibrated"
-        self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
-        self.max_len = max_len or min(self.model_config.max_position_embeddings, 4096)
+        self.max_len = self._check_max_len(max_len)
         if kv_cache_memory is not None:
             if max_batch is not None:
                 raise ValueError("give max_batch or kv_cache_memory, not both")
@@ -215,6 +217,20 @@ class Engine:
                            prompt_tokens=0, generated_tokens=0, prefill_forwards=0, prefill_s=0.0, decode_s=0.0, decode_steps=0,
                            weight_updates=0, transfer_s=0.0, requant_s=0.0,
                            kv_calibrations=0, kv_calibration_s=0.0, kv_calibration_last_s=0.0, kv_calibration_tokens=0)
+
+    def _check_max_len(self, max_len: int | None) -> int:
+        """`max_len` (default: min(max_position_embeddings, 4096)), an integer within the model's
+        positions: RoPE tables and the model were made for max_position_embeddings positions."""
+        limit = self.model_config.max_position_embeddings
+        if max_len is None:
+            return min(limit, 4096)
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
+            raise ConfigError(f"max_len={max_len!r} is invalid; allowed: an integer in [2, {limit}] "
+                              f"(max_position_embeddings of {self.model_dir / 'config.json'})")
+        if max_len > limit:
+            raise ConfigError(f"max_len={max_len} is more than the model's max_position_embeddings={limit} "
+                              f"({self.model_dir / 'config.json'}); use max_len <= {limit}")
+        return max_len
 
     def _max_batch_for(self, kv_cache_memory: int) -> int:
         """Slots of `max_len` tokens that fit in `kv_cache_memory` bytes of KV cache."""
@@ -259,26 +275,48 @@ class Engine:
     def _encode_prompts(self, prompts: str | Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
         if isinstance(prompts, str):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence | torch.Tensor | np.ndarray):
+            raise InputError(f"prompts must be a string, a list of strings or a list of token-id lists, "
+                             f"got {type(prompts).__name__}")
+        if not len(prompts):
+            raise InputError("generate needs at least one prompt; got an empty list")
         encoded = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
                 if self.tokenizer is None:
-                    raise ValueError(f"{self.model_dir} has no tokenizer; pass token ids instead of text")
+                    raise InputError(f"{self.model_dir} has no tokenizer; pass token ids instead of text")
                 ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
             else:
-                ids = [int(t) for t in prompt]
+                ids = self._token_ids(prompt, f"prompt {i}")
             if not ids:
-                raise ValueError(f"prompt {i} is empty")
+                raise InputError(f"prompt {i} is empty")
             if len(ids) >= self.max_len:
-                raise ValueError(
+                raise InputError(
                     f"prompt {i} has {len(ids)} tokens; max_len={self.max_len} leaves no room for a response "
                     f"(prompts may have at most {self.max_len - 1} tokens; raise max_len)"
                 )
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token id(s) {bad[:5]} outside the vocabulary [0, {self.model_config.vocab_size})")
             encoded.append(ids)
         return encoded
+
+    def _token_ids(self, ids: object, what: str) -> list[int]:
+        """`ids` (a list, tuple, integer tensor or array of token ids) as a list of ints in the
+        vocabulary; anything else is an `InputError` (a float id is refused, never truncated)."""
+        vocab = self.model_config.vocab_size
+        if isinstance(ids, torch.Tensor):
+            if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool or ids.dim() != 1:
+                raise InputError(f"{what} is a tensor of dtype {ids.dtype} and shape {tuple(ids.shape)}; allowed: an "
+                                 "integer dtype, 1-D")
+            ids = ids.tolist()
+        elif isinstance(ids, np.ndarray):
+            ids = ids.tolist()
+        if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+            raise InputError(f"{what} is {type(ids).__name__}; allowed: a string or a list of token ids")
+        for pos, token in enumerate(ids):
+            if not _is_token(token) or not 0 <= token < vocab:
+                reason = "is outside the vocabulary" if _is_token(token) else "is not an integer"
+                raise InputError(f"{what}: token id {token!r} at position {pos} {reason}; allowed: integers in "
+                                 f"[0, {vocab})")
+        return [int(t) for t in ids]
 
     def _ensure_cache(self) -> KVCache:
         if self.cache is None:
@@ -337,7 +375,13 @@ class Engine:
         self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None
     ) -> list[Rollout]:
         """Sample `params.n` responses per prompt. Returns len(prompts) * n rollouts, prompt-major."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InputError(f"generate params must be a SamplingParams, got {type(params).__name__}")
+        beyond = [t for t in params.stop_token_ids if t >= self.model_config.vocab_size]
+        if beyond:
+            raise InputError(f"SamplingParams.stop_token_ids {beyond} are outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size}) of {self.model_dir}")
         encoded = self._encode_prompts(prompts)
         cache = self._ensure_cache()
         if self._kv_stale:
@@ -509,9 +553,9 @@ class Engine:
     def logits(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, vocab] of a full causal forward over one sequence (no cache, so an fp8 KV
         cache plays no part; `cached_logits` includes it)."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)
-        if ids.shape[1] > self.max_len:
-            raise ValueError(f"sequence has {ids.shape[1]} tokens; max_len={self.max_len}")
+        ids = torch.tensor(self._token_ids(token_ids, "sequence"), dtype=torch.long, device=self.device).reshape(1, -1)
+        if not 1 <= ids.shape[1] <= self.max_len:
+            raise InputError(f"sequence has {ids.shape[1]} tokens; allowed: 1 to max_len={self.max_len}")
         return self.model(ids)[0]
 
     @torch.no_grad()
@@ -521,10 +565,9 @@ class Engine:
     ) -> list[float]:
         """fp32 logprobs of `response_ids` after `prompt_ids` under the engine's processed distribution
         (same temperature / top-k / top-p rule as sampling; with an fp8 KV cache, through the cache)."""
-        if not prompt_ids or not response_ids:
-            raise ValueError("score needs a non-empty prompt and response")
         SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)  # validates
-        ids = list(prompt_ids) + list(response_ids)
+        [(prompt_ids, response_ids)] = self._check_pairs([prompt_ids], [response_ids])
+        ids = prompt_ids + response_ids
         if self.config.kv_cache_dtype == "fp8":
             logits = self.cached_logits([prompt_ids], [response_ids])[0]
         else:
@@ -602,19 +645,16 @@ class Engine:
 
     def _check_pairs(self, prompts, responses) -> list[tuple[list[int], list[int]]]:
         if len(prompts) != len(responses) or not len(prompts):
-            raise ValueError(f"need one response per prompt and at least one pair; got {len(prompts)} prompts "
+            raise InputError(f"need one response per prompt and at least one pair; got {len(prompts)} prompts "
                              f"and {len(responses)} responses")
-        encoded = self._encode_prompts([list(p) for p in prompts])
+        encoded = [self._token_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
         pairs = []
         for i, (p, r) in enumerate(zip(encoded, responses)):
-            r = [int(t) for t in r]
-            if not r:
-                raise ValueError(f"response {i} is empty")
+            r = self._token_ids(r, f"response {i}")
+            if not p or not r:
+                raise InputError(f"{'prompt' if not p else 'response'} {i} is empty")
             if len(p) + len(r) > self.max_len:
-                raise ValueError(f"sequence {i} has {len(p) + len(r)} tokens; max_len={self.max_len}")
-            bad = [t for t in r if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"response {i} has token id(s) {bad[:5]} outside the vocabulary")
+                raise InputError(f"sequence {i} has {len(p) + len(r)} tokens; max_len={self.max_len}")
             pairs.append((p, r))
         return pairs
 
@@ -660,9 +700,10 @@ class Engine:
         Every tensor is validated before anything is written (name, shape, a float32 / bfloat16 /
         float16 / float64 dtype, not on the meta device, no NaN or Inf: `WeightMap.check`), so a bad
         update raises a `WeightError` naming the tensor and leaves every engine tensor as it was.
-        Validation reads each tensor twice (amax, amin) and copies nothing. Returns timings in seconds (``transfer_s`` to the device, ``requant_s``,
-        ``kv_calibration_s``: recalibrating fp8 KV scales, 0.0 when there is nothing to calibrate)
-        and, with `count_changed`, the fraction of quantized codes that changed.
+        Validation reads each tensor twice (amax, amin) and copies nothing. Returns timings in
+        seconds (``transfer_s`` to the device, ``requant_s``, ``kv_calibration_s``: recalibrating
+        fp8 KV scales, 0.0 when there is nothing to calibrate) and, with `count_changed`, the
+        fraction of quantized codes that changed.
 
         With ``kv_scale="calibrated"`` every call recalibrates on the most recent generated sequences
         (before any generate, the next generate calibrates on its prompts): send a whole update in
@@ -774,21 +815,67 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The engine's device: `device`, or CUDA when available and else the CPU. A device name torch
+    does not know is a `ConfigError`; a CUDA device this machine does not have an `UnsupportedError`."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"device={device!r} is invalid; allowed: cpu, cuda, cuda:N") from None
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UnsupportedError(f"device={device!r}: CUDA is not available on this machine (torch "
+                                   f"{torch.__version__}, built {'without' if torch.version.cuda is None else 'with'} "
+                                   "CUDA); available: cpu")
+        if resolved.index is not None and resolved.index >= count:
+            raise UnsupportedError(f"device={device!r}: CUDA is available with {count} device(s); available: cpu, "
+                                   + ", ".join(f"cuda:{i}" for i in range(count)))
+    elif resolved.type != "cpu":
+        raise UnsupportedError(f"device={device!r}: the engine runs on cpu or cuda")
+    return resolved
+
+
+def _is_token(value: object) -> bool:
+    """A token id's type: int or numpy integer, not bool (a float is refused, never truncated)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
 def _load_tokenizer(model_dir: Path):
     if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as err:  # name the damaged file when a JSON file is the cause
+        for name in _TOKENIZER_JSON:
+            path = model_dir / name
+            if path.is_file():
+                try:
+                    json.loads(path.read_text())
+                except (json.JSONDecodeError, UnicodeDecodeError) as json_err:
+                    raise CheckpointError(f"{path} is not valid JSON ({json_err})") from err
+        raise CheckpointError(f"{model_dir}: the tokenizer does not load ({type(err).__name__}: {err})") from err
 
 
 def _eos_ids(model_dir: Path, config: ModelConfig, tokenizer) -> tuple[int, ...]:
     ids = set(config.eos_token_ids)
     generation = model_dir / "generation_config.json"
     if generation.is_file():
-        eos = json.loads(generation.read_text()).get("eos_token_id")
-        ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+        raw = read_json(generation)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{generation} must be a JSON object, got {type(raw).__name__}")
+        eos = token_ids(raw.get("eos_token_id"))
+        if eos is None:
+            raise ConfigError(f"{generation}: eos_token_id={raw.get('eos_token_id')!r} is invalid; "
+                              f"allowed: {TOKEN_IDS_ALLOWED}")
+        ids |= set(eos)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))
-

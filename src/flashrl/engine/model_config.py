@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from flashrl.errors import ConfigError, UnsupportedError
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -70,47 +73,80 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Read and validate a parsed config.json; `source` names the file in errors (`ConfigError`
+        for bad values, `UnsupportedError` for an architecture or feature the engine lacks)."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source} must be a JSON object (a Hugging Face config), got {type(raw).__name__}")
+        check = _Checker(raw, source)
         archs = raw.get("architectures") or []
+        if not isinstance(archs, list):
+            check.fail("architectures", "a list of architecture names")
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(
+            raise UnsupportedError(
                 f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads") if k not in raw]
         if missing:
-            raise ValueError(f"{source}: missing field(s) {', '.join(missing)}")
+            raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
         if raw.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise ValueError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported; supported: silu")
-        num_heads = raw["num_attention_heads"]
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+            raise UnsupportedError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported; supported: silu")
+        vocab_size = check.int("vocab_size", MAX_VOCAB)
+        hidden_size = check.int("hidden_size", MAX_DIM)
+        intermediate_size = check.int("intermediate_size", MAX_DIM)
+        num_layers = check.int("num_hidden_layers", MAX_LAYERS)
+        num_heads = check.int("num_attention_heads", MAX_HEADS)
+        num_kv_heads = check.int("num_key_value_heads", MAX_HEADS, default=num_heads)
+        if num_heads % num_kv_heads:
+            check.fail("num_key_value_heads", f"a divisor of num_attention_heads={num_heads}")
+        if raw.get("head_dim") is None:
+            if hidden_size % num_heads:
+                check.fail("hidden_size", f"a multiple of num_attention_heads={num_heads} (or give head_dim)")
+            head_dim = hidden_size // num_heads
+            if head_dim % 2:
+                check.fail("hidden_size", f"hidden_size / num_attention_heads even (RoPE pairs), not {head_dim}")
+        else:
+            head_dim = check.int("head_dim", MAX_HEAD_DIM)
+            if head_dim % 2:
+                check.fail("head_dim", "an even integer (RoPE rotates pairs)")
         rope_theta, rope_scaling = _rope_fields(raw, source)
         if family == "qwen2" and raw.get("use_sliding_window"):
-            raise ValueError(f"{source}: Qwen2 with use_sliding_window=true is not supported")
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            raise UnsupportedError(f"{source}: Qwen2 with use_sliding_window=true is not supported")
+        eos_ids = token_ids(raw.get("eos_token_id"))
+        if eos_ids is None:
+            check.fail("eos_token_id", TOKEN_IDS_ALLOWED)
+        single_ids = {}
+        for key in ("bos_token_id", "pad_token_id"):
+            ids = token_ids(raw.get(key))
+            if ids is None or isinstance(raw.get(key), list):
+                check.fail(key, "a token id (an integer >= 0) or null")
+            single_ids[key] = ids[0] if ids else None
+        sliding_window = None
+        if family == "mistral" and raw.get("sliding_window") is not None:
+            sliding_window = check.int("sliding_window", 2**31 - 1)
         return cls(
             family=family,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=check.number("rms_norm_eps", 1e-6, "a number in (0, 1)", lambda x: 0 < x < 1),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            max_position_embeddings=check.int("max_position_embeddings", 2**31 - 1, default=4096),
+            tie_word_embeddings=check.bool("tie_word_embeddings"),
+            qkv_bias=family == "qwen2" or check.bool("attention_bias"),
+            mlp_bias=check.bool("mlp_bias"),
             qk_norm=family == "qwen3",
-            sliding_window=raw.get("sliding_window") if family == "mistral" else None,
+            sliding_window=sliding_window,
             eos_token_ids=eos_ids,
-            bos_token_id=raw.get("bos_token_id"),
-            pad_token_id=raw.get("pad_token_id"),
+            bos_token_id=single_ids["bos_token_id"],
+            pad_token_id=single_ids["pad_token_id"],
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         )
 
@@ -122,21 +158,105 @@ class ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{path} has no config.json (expected a Hugging Face checkpoint directory)")
-        return cls.from_dict(json.loads(config_file.read_text()), source=str(config_file))
+        return cls.from_dict(read_json(config_file), source=str(config_file))
+
+
+MAX_VOCAB = 2**24
+"""Upper bounds that catch typos and unit mistakes (a vocabulary of 1e12) before any memory is
+allocated; real models are far below them (vocabularies ~256k, hidden sizes ~16k, 128 layers)."""
+MAX_DIM = 2**20
+MAX_LAYERS = 2**12
+MAX_HEADS = 2**12
+MAX_HEAD_DIM = 2**12
+
+
+TOKEN_IDS_ALLOWED = "a token id (an integer >= 0), a list of them or null"
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file of a model directory; invalid JSON is a `ConfigError` naming the file."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path} is not valid JSON ({err})") from None
+
+
+def token_ids(value: Any) -> tuple[int, ...] | None:
+    """`value` (null, a token id or a list of them) as a tuple of ids; None when it is anything else.
+    Ids beyond the vocabulary are kept (harmless: such a token is never sampled)."""
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(_is_int(v) and v >= 0 for v in values):
+        return None
+    return tuple(values)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class _Checker:
+    """Typed reads of config.json fields: a bad value raises a `ConfigError` naming the file, the
+    key, the value and what is allowed."""
+
+    def __init__(self, raw: dict[str, Any], source: str) -> None:
+        self.raw, self.source = raw, source
+
+    def fail(self, key: str, allowed: str) -> None:
+        raise ConfigError(f"{self.source}: {key}={self.raw.get(key)!r} is invalid; allowed: {allowed}")
+
+    def int(self, key: str, maximum: int, default: int | None = None) -> int:
+        value = self.raw.get(key)
+        if value is None and default is not None:
+            return default
+        if not _is_int(value) or not 1 <= value <= maximum:
+            self.fail(key, f"an integer in [1, {maximum}]")
+        return value
+
+    def number(self, key: str, default: float, allowed: str, ok: Callable[[float], bool]) -> float:
+        value = self.raw.get(key, default)
+        if not _is_number(value) or not ok(value):
+            self.fail(key, allowed)
+        return float(value)
+
+    def bool(self, key: str) -> bool:
+        value = self.raw.get(key)
+        if value is not None and not isinstance(value, bool):
+            self.fail(key, "true or false")
+        return bool(value)
+
+
+_ROPE_REQUIRED = {"linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+"""The rope-scaling parameters each rope type reads (`rope_inv_freq`); all must be numbers > 0."""
 
 
 def _rope_fields(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any]]:
-    params = dict(raw.get("rope_parameters") or {})
-    if not params:
-        params = dict(raw.get("rope_scaling") or {})
-        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    given = raw.get(key)
+    if given is not None and not isinstance(given, dict):
+        raise ConfigError(f"{source}: {key}={given!r} is invalid; allowed: an object or null")
+    params = dict(given or {})
+    theta = params.pop("rope_theta", raw.get("rope_theta", 10000.0))
+    if not _is_number(theta) or theta <= 0:
+        raise ConfigError(f"{source}: rope_theta={theta!r} is invalid; allowed: a finite number > 0")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        raise UnsupportedError(f"{source}: rope type {rope_type!r} is not supported; "
+                               f"supported: {', '.join(ROPE_TYPES)}")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{source}: partial_rotary_factor != 1 is not supported")
-    return theta, params
+        raise UnsupportedError(f"{source}: partial_rotary_factor != 1 is not supported")
+    for name in _ROPE_REQUIRED.get(rope_type, ()):
+        if name not in params:
+            raise ConfigError(f"{source}: {key}: {name!r} is missing (rope type {rope_type!r} needs it)")
+        if not _is_number(params[name]) or params[name] <= 0:
+            raise ConfigError(f"{source}: {key}: {name}={params[name]!r} is invalid; allowed: a finite number > 0")
+    return float(theta), params
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:

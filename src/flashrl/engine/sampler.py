@@ -13,11 +13,27 @@ the trainer uses it to replay the rollout's temperature and truncation (mask rep
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from flashrl.errors import InputError
+
 NEG_INF = float("-inf")
+
+
+def _is_integer(value: object) -> bool:
+    """An int, or a numpy integer; not a bool, not a float (2.0 is refused rather than truncated)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
+def _is_real(value: object) -> bool:
+    """An int or float (numpy's included); not a bool, not a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
 
 
 @dataclass(frozen=True)
@@ -42,19 +58,45 @@ class SamplingParams:
     """Also return the raw logprob (log-softmax of the unprocessed logits)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        """Check every field's type and range (an `InputError` naming the field and what is allowed)
+        and normalise numbers to plain Python types: a float where a float is meant (``temperature=1``
+        is fine), an int where an int is meant (``n=2.0`` is refused, not truncated)."""
+        def fail(name: str, allowed: str) -> None:
+            raise InputError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid; allowed: {allowed}")
+
+        def number(name: str, ok, allowed: str) -> None:
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value) or not ok(value):
+                fail(name, allowed)
+            object.__setattr__(self, name, float(value))
+
+        def integer(name: str, ok, allowed: str, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if not _is_integer(value) or not ok(value):
+                fail(name, allowed)
+            object.__setattr__(self, name, int(value))
+
+        number("temperature", lambda x: x >= 0, "a number >= 0 (0 is greedy)")
+        integer("top_k", lambda x: x >= -1, "an integer >= 0 (0 or -1 disables)")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        checks = [
-            (self.temperature >= 0, "temperature", self.temperature, ">= 0"),
-            (self.top_k >= 0, "top_k", self.top_k, ">= 0 (0 or -1 disables)"),
-            (0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]"),
-            (self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1"),
-            (self.n >= 1, "n", self.n, ">= 1"),
-        ]
-        for ok, name, value, allowed in checks:
-            if not ok:
-                raise ValueError(f"SamplingParams.{name}={value!r} is invalid; allowed: {allowed}")
+        number("top_p", lambda x: 0 < x <= 1, "a number in (0, 1]")
+        integer("max_tokens", lambda x: x >= 1, "an integer >= 1")
+        integer("n", lambda x: x >= 1, "an integer >= 1")
+        integer("seed", lambda x: True, "an integer or None", optional=True)
+        for name in ("ignore_eos", "logprobs", "raw_logprobs"):
+            if not isinstance(getattr(self, name), bool | np.bool_):
+                fail(name, "True or False")
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        stop = self.stop_token_ids
+        if isinstance(stop, torch.Tensor | np.ndarray):
+            stop = stop.tolist()
+        stop = list(stop) if isinstance(stop, Iterable) and not isinstance(stop, str | bytes) else None
+        if stop is None or not all(_is_integer(t) and t >= 0 for t in stop):
+            fail("stop_token_ids", "a list of token ids (integers >= 0)")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
 
     @property
     def greedy(self) -> bool:

@@ -91,7 +91,8 @@ def iter_checkpoint_files(model_dir: str | Path) -> Iterator[tuple[Path, str, to
                     tensor = handle.get_tensor(name)
                     yield file, name, tensor
         except SafetensorError as err:  # header: empty, truncated, not safetensors; data: out of bounds
-            raise CheckpointError(f"{file} is not a readable safetensors file ({err}); re-save or re-download it") from None
+            raise CheckpointError(f"{file} is not a readable safetensors file ({err}); "
+                                  "re-save or re-download it") from None
 
 
 def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -174,7 +175,8 @@ class WeightMap:
         if tensor.layout != torch.strided:
             raise WeightError(f"tensor {name!r} has layout {tensor.layout}; only dense (strided) tensors are allowed")
         if tensor.dtype not in WEIGHT_DTYPES:
-            raise WeightError(f"tensor {name!r} has dtype {tensor.dtype}; allowed: float32, bfloat16, float16 or float64")
+            raise WeightError(f"tensor {name!r} has dtype {tensor.dtype}; "
+                              "allowed: float32, bfloat16, float16 or float64")
         if tensor.is_meta:
             raise WeightError(f"tensor {name!r} is on the meta device (it has no data); send materialised tensors")
         for target in targets:
