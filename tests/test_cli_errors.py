@@ -158,6 +158,14 @@ def test_bad_out_paths_fail_before_the_work(command, argv, module, attr, tmp_pat
         readonly.chmod(0o700)
 
 
+@pytest.mark.parametrize("flag, value", [("--batch", "0"), ("--output-len", "-1"), ("--prompt-len", "0"),
+                                         ("--max-prefill-tokens", "0"), ("--threads", "0")])
+def test_bench_sizes_are_checked(flag, value, monkeypatch, capsys):
+    monkeypatch.setattr(flashrl.bench, "_bench_engine", _fail_if_called)
+    assert main(["bench", "--random-weights", "qwen2.5-0.5b", "--device", "cpu", "--out", "", flag, value]) == 2
+    assert one_line_error(capsys, "bench").startswith(f"{flag} {value}")
+
+
 def test_bench_and_profile_refuse_out_equal_to_an_input(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(flashrl.bench, "run_bench", _fail_if_called)
     monkeypatch.setattr(flashrl.profile, "run_profile", _fail_if_called)

@@ -264,6 +264,10 @@ def run_bench(cfg: BenchConfig) -> dict:
     modes = parse_compile_modes(cfg.compile)
     if cfg.kv_budget_gib is not None and not cfg.kv_budget_gib > 0:
         raise ConfigError(f"--kv-budget-gib {cfg.kv_budget_gib} must be > 0")
+    for name in ("batch", "prompt_len", "output_len", "max_prefill_tokens"):
+        value = getattr(cfg, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"--{name.replace('_', '-')} {value!r} is invalid; allowed: an integer >= 1")
     with tempfile.TemporaryDirectory() as tmp:
         random = cfg.random_weights is not None
         model_dir = random_model_dir(cfg.random_weights, Path(tmp) / "model") if random else Path(cfg.model)

@@ -242,7 +242,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
     from flashrl.bench import BenchConfig, format_rows, run_bench as bench
 
-    if args.threads:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads {args.threads} is invalid; allowed: an integer >= 1")
         torch.set_num_threads(args.threads)
     cfg = BenchConfig(model=args.model, random_weights=args.random_weights, quant=args.quant, batch=args.batch,
                       prompt_len=args.prompt_len, output_len=args.output_len, device=args.device, dtype=args.dtype,
