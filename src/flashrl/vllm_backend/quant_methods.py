@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
@@ -42,7 +43,7 @@ from flashrl.errors import WeightError
 from flashrl.quant.gemm import check_gemm_shape, scaled_linear
 from flashrl.quant.linear import DEFAULT_SKIP, QuantLinear, matches_any
 from flashrl.quant.schemes import get_scheme
-from flashrl.vllm_backend import direct_load
+from flashrl.vllm_backend import direct_load, kernels
 from flashrl.vllm_backend.direct_load import PROCESSED_FLAG, clear_staging, make_bias_loader, make_weight_loader
 from flashrl.vllm_backend.names import METHOD_NAMES
 
@@ -81,13 +82,17 @@ def flashrl_scaled_linear(
     bias: torch.Tensor | None,
     scheme: str,
     shard_sizes: list[int],
+    kernel_id: int,
 ) -> torch.Tensor:
-    """`flashrl.quant.gemm.scaled_linear` as an opaque op: ``x @ dequant(weight)^T + bias`` in x's dtype."""
+    """``x @ dequant(weight)^T + bias`` in x's dtype: vLLM's kernel bound under `kernel_id`
+    (`flashrl.vllm_backend.kernels`), or `flashrl.quant.gemm.scaled_linear` for ``kernel_id=-1``."""
+    if kernel_id >= 0:
+        return kernels.run_kernel(kernel_id, x, bias)
     return scaled_linear(x, weight, scale, get_scheme(scheme), bias, x.dtype, tuple(shard_sizes))
 
 
 @flashrl_scaled_linear.register_fake
-def _(x, weight, scale, bias, scheme, shard_sizes):
+def _(x, weight, scale, bias, scheme, shard_sizes, kernel_id):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -169,6 +174,7 @@ class FlashRLLinearMethod(LinearMethodBase):
         if isinstance(bias, torch.nn.Parameter) and not getattr(bias, "flashrl_loader", False):
             bias.weight_loader = make_bias_loader(layer, getattr(bias, "weight_loader"))
             bias.flashrl_loader = True
+        self._bind_kernel(layer)
         setattr(layer, _PROCESSED_FLAG, True)
         if weight.is_cuda:
             torch.cuda.synchronize(weight.device)
@@ -176,6 +182,33 @@ class FlashRLLinearMethod(LinearMethodBase):
         _requant_stats["requant_s"] += seconds
         _requant_stats["layers_requantized"] += 1
         direct_load.note_quantized(self.scheme.name, seconds)
+
+    def _bind_kernel(self, layer: torch.nn.Module) -> None:
+        """Point the layer's vLLM kernel (`flashrl.vllm_backend.kernels`) at the tensors that persist.
+
+        On a first load the layer's new tensors persist. During vLLM's layerwise reload they are
+        temporaries that vLLM copies into the original storages after this method returns; the copy
+        is done here first, so the kernel is built from the storages the forward will read.
+        """
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        source: Any = layer
+        kernel_tensors = get_layerwise_info(layer).kernel_tensors
+        if kernel_tensors is not None:
+            persistent = {**kernel_tensors[1], **kernel_tensors[0]}
+            for name in ("weight", "weight_scale", "row_scale", "bias"):
+                current = getattr(layer, name, None)
+                if name in persistent and current is not None and persistent[name] is not current:
+                    persistent[name].data.copy_(current)
+            source = SimpleNamespace(
+                weight=persistent["weight"], weight_scale=persistent["weight_scale"],
+                row_scale=persistent.get("row_scale"), bias=persistent.get("bias"),
+                logical_widths=layer.logical_widths, input_size_per_partition=layer.input_size_per_partition,
+                output_size_per_partition=layer.output_size_per_partition)
+        if not hasattr(layer, "flashrl_kernel_id"):
+            layer.flashrl_kernel_id = kernels.attach_kernel(self.scheme.name, source, layer.flashrl_params_dtype)
+        else:
+            kernels.refresh_kernel(layer.flashrl_kernel_id, source)
 
     def _staging_weight(self, layer: torch.nn.Module) -> torch.Tensor:
         """An empty checkpoint-format weight for `direct_load` to stage shards in (vLLM's loader fills it)."""
@@ -199,6 +232,7 @@ class FlashRLLinearMethod(LinearMethodBase):
             view.row_scale = layer.row_scale.data
         start = time.perf_counter()
         view.requantize_(weight)
+        kernels.refresh_kernel(getattr(layer, "flashrl_kernel_id", -1), layer)
         if weight.is_cuda:
             torch.cuda.synchronize(weight.device)
         seconds = time.perf_counter() - start
@@ -210,7 +244,8 @@ class FlashRLLinearMethod(LinearMethodBase):
         scale = getattr(layer, "row_scale", None)
         if scale is None:
             scale = layer.weight_scale
-        return flashrl_scaled_linear(x, layer.weight, scale, bias, self.scheme.name, layer.logical_widths)
+        return flashrl_scaled_linear(x, layer.weight, scale, bias, self.scheme.name, layer.logical_widths,
+                                     getattr(layer, "flashrl_kernel_id", -1))
 
 
 # ------------------------------------------------------------------------------------------------

