@@ -247,3 +247,19 @@ def test_device_that_is_not_there(tiny_models):
     with pytest.raises(ConfigError, match=r"device='gpu0' is invalid; allowed: cpu, cuda, cuda:N"):
         engine(path, device="gpu0")
     assert engine(path, device=torch.device("cpu")).device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_batch=0), r"max_batch=0 is invalid; allowed: an integer >= 1"),
+    (dict(max_batch="4"), r"max_batch='4' is invalid"),
+    (dict(max_batch=2, kv_cache_memory=2**20), r"give max_batch or kv_cache_memory, not both"),
+    (dict(kv_cache_memory=-1), r"kv_cache_memory=-1 must be a positive number of bytes"),
+    (dict(dtype="int8"), r"dtype 'int8' is invalid; allowed: bf16"),
+    (dict(max_prefill_tokens=0), r"max_prefill_tokens=0 must be a positive int"),
+    (dict(kv_scale_granularity="head"), r"kv_scale_granularity apply to kv_cache_dtype='fp8'"),
+    (dict(kv_cache_dtype="fp8", kv_scale="dynamic", kv_scale_granularity="head"), r"does not apply to kv_scale='dyn"),
+    (dict(decode_compile="fast"), r"decode_compile='fast' is invalid"),
+])
+def test_engine_options_are_config_errors(tiny_models, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        engine(tiny_models("qwen2"), **kwargs)

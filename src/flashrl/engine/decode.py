@@ -52,6 +52,7 @@ import torch
 
 from flashrl.engine.kv_cache import KVCache
 from flashrl.engine.model import Decoder, ForwardBatch, attention_mask
+from flashrl.errors import ConfigError, UnsupportedError
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """`torch.compile` modes the decode step accepts (torch's names)."""
@@ -91,9 +92,9 @@ def check_compile_mode(mode: str | None, device: torch.device) -> str | None:
     if mode is None or mode is False:
         return None
     if mode not in COMPILE_MODES:
-        raise ValueError(f"decode_compile={mode!r} is invalid; allowed: None (eager), {', '.join(COMPILE_MODES)}")
+        raise ConfigError(f"decode_compile={mode!r} is invalid; allowed: None (eager), {', '.join(COMPILE_MODES)}")
     if mode == "reduce-overhead" and device.type != "cuda":
-        raise ValueError(f"decode_compile='reduce-overhead' captures CUDA graphs and needs a CUDA device; this engine "
+        raise UnsupportedError(f"decode_compile='reduce-overhead' captures CUDA graphs and needs a CUDA device; this engine "
                          f"runs on {device.type}: use 'default' (or None for eager)")
     return mode
 
@@ -110,7 +111,7 @@ class DecodeStep:
         self.model, self.max_batch, self.max_len, self.device = model, max_batch, max_len, device
         self.mode = check_compile_mode(compile, device)
         if self.mode is not None and not buckets:
-            raise ValueError("a compiled decode step needs buckets (static shapes); pass decode_buckets=True or None")
+            raise ConfigError("a compiled decode step needs buckets (static shapes); pass decode_buckets=True or None")
         self.buckets = buckets
         self.cudagraphs = self.mode in CUDAGRAPH_MODES and device.type == "cuda"
         self._inputs: dict[int, torch.Tensor] = {}

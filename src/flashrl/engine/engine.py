@@ -74,7 +74,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is invalid; allowed: {', '.join(_DTYPES)}")
+        raise ConfigError(f"dtype {dtype!r} is invalid; allowed: {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
 
 
@@ -185,16 +185,16 @@ class Engine:
         self.max_len = self._check_max_len(max_len)
         if kv_cache_memory is not None:
             if max_batch is not None:
-                raise ValueError("give max_batch or kv_cache_memory, not both")
+                raise ConfigError("give max_batch or kv_cache_memory, not both")
             max_batch = self._max_batch_for(kv_cache_memory)
         max_batch = 64 if max_batch is None else max_batch
-        if max_batch < 1:
-            raise ValueError(f"max_batch={max_batch} must be >= 1")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ConfigError(f"max_batch={max_batch!r} is invalid; allowed: an integer >= 1")
         self.max_batch = max_batch
         if max_prefill_tokens is None:
             max_prefill_tokens = DEFAULT_MAX_PREFILL_TOKENS
         if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens={max_prefill_tokens!r} must be a positive int (padded prompt tokens "
+            raise ConfigError(f"max_prefill_tokens={max_prefill_tokens!r} must be a positive int (padded prompt tokens "
                              "per prefill forward)")
         self.max_prefill_tokens = max_prefill_tokens
         self.progress = progress
@@ -235,14 +235,14 @@ class Engine:
     def _max_batch_for(self, kv_cache_memory: int) -> int:
         """Slots of `max_len` tokens that fit in `kv_cache_memory` bytes of KV cache."""
         if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, (int, float)) or not kv_cache_memory >= 1:
-            raise ValueError(f"kv_cache_memory={kv_cache_memory!r} must be a positive number of bytes")
+            raise ConfigError(f"kv_cache_memory={kv_cache_memory!r} must be a positive number of bytes")
         kv_cache_memory = int(kv_cache_memory)
         c = self.model_config
         args = (c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.config.kv_cache_dtype, self.kv_scale_granularity or "layer")
         tokens = KVCache.capacity_tokens(kv_cache_memory, *args)
         if tokens < self.max_len:
             need = KVCache.fixed_bytes(c.num_layers, c.num_kv_heads, *args[4:]) + self.max_len * KVCache.bytes_per_token(*args)
-            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds {tokens} tokens, less than one sequence of "
+            raise ConfigError(f"kv_cache_memory={kv_cache_memory} bytes holds {tokens} tokens, less than one sequence of "
                              f"max_len={self.max_len} ({need} bytes); raise kv_cache_memory or lower max_len")
         return tokens // self.max_len
 
@@ -337,7 +337,7 @@ class Engine:
         `sequences` (token ids; default: the most recent generated sequences). Scales are written
         into the cache in place. Returns the seconds it took (also in `stats`)."""
         if not self.kv_calibrated:
-            raise ValueError(f"calibrate_kv needs kv_cache_dtype='fp8' with kv_scale='calibrated'; this engine has "
+            raise ConfigError(f"calibrate_kv needs kv_cache_dtype='fp8' with kv_scale='calibrated'; this engine has "
                              f"kv_cache_dtype={self.config.kv_cache_dtype!r}, kv_scale={self.config.kv_scale!r}")
         if sequences is None:
             sequences = self._kv_recent.sequences()
@@ -346,7 +346,7 @@ class Engine:
             recent.add(list(sequences))
             sequences = recent.sequences()
         if not sequences:
-            raise ValueError("no calibration sequences: pass token ids, or generate first")
+            raise InputError("no calibration sequences: pass token ids, or generate first")
         start = time.perf_counter()
         scales = calibrate_model(self.model, sequences, self.kv_scale_granularity, max_len=self.max_len)
         if self.cache is not None:
@@ -613,7 +613,7 @@ class Engine:
         from flashrl.correction import mismatch_metrics
 
         if not temperature > 0:
-            raise ValueError(f"temperature={temperature!r} must be > 0")
+            raise InputError(f"temperature={temperature!r} must be > 0")
         pairs = self._check_pairs(prompts, responses)
         if self._kv_stale:
             self.calibrate_kv(self._kv_recent.sequences() or [p for p, _ in pairs])
@@ -793,16 +793,16 @@ def _kv_granularity(config: RolloutConfig, kv_scale: object, granularity: str | 
     if config.kv_cache_dtype != "fp8":
         given = [name for name, value in (("kv_scale", kv_scale), ("kv_scale_granularity", granularity)) if value is not None]
         if given:
-            raise ValueError(f"{' and '.join(given)} apply to kv_cache_dtype='fp8'; this engine has "
+            raise ConfigError(f"{' and '.join(given)} apply to kv_cache_dtype='fp8'; this engine has "
                              f"kv_cache_dtype={config.kv_cache_dtype!r}")
         return None
     if config.kv_scale == "dynamic":
         if granularity not in (None, "token"):
-            raise ValueError(f"kv_scale_granularity={granularity!r} does not apply to kv_scale='dynamic' "
+            raise ConfigError(f"kv_scale_granularity={granularity!r} does not apply to kv_scale='dynamic' "
                              "(dynamic scales are per token and kv head)")
         return "token"
     if granularity not in (None, "layer", "head"):
-        raise ValueError(f"kv_scale_granularity={granularity!r} is invalid; allowed: layer, head")
+        raise ConfigError(f"kv_scale_granularity={granularity!r} is invalid; allowed: layer, head")
     return granularity or "layer"
 
 

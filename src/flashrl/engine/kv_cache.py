@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from flashrl.errors import ConfigError, InputError
 from flashrl.quant.primitives import _encode, dequantize_per_row, dequantize_per_tensor, qmax_of, quantize_per_row
 
 KV_CACHE_DTYPES = ("bf16", "fp8")
@@ -140,7 +141,7 @@ class KVCache:
         for name, new, buf in (("k_scale", k_scale, self.k_scale), ("v_scale", v_scale, self.v_scale)):
             new = torch.as_tensor(new, dtype=torch.float32, device=buf.device)
             if not bool(torch.isfinite(new).all()) or not bool((new > 0).all()):
-                raise ValueError(f"{name} must be finite and positive, got {new.flatten()[:8].tolist()}")
+                raise InputError(f"{name} must be finite and positive, got {new.flatten()[:8].tolist()}")
             buf.copy_(new.expand_as(buf))
 
     # ------------------------------------------------------------------ writes
@@ -258,6 +259,6 @@ def scale_groups(num_kv_heads: int, scale_granularity: str) -> int:
 
 def _check(kv_cache_dtype: str, scale_granularity: str) -> None:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is invalid; allowed: {', '.join(KV_CACHE_DTYPES)}")
+        raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is invalid; allowed: {', '.join(KV_CACHE_DTYPES)}")
     if scale_granularity not in SCALE_GRANULARITIES:
-        raise ValueError(f"scale_granularity={scale_granularity!r} is invalid; allowed: {', '.join(SCALE_GRANULARITIES)}")
+        raise ConfigError(f"scale_granularity={scale_granularity!r} is invalid; allowed: {', '.join(SCALE_GRANULARITIES)}")

@@ -46,6 +46,7 @@ from flashrl.engine.kv_cache import FP8_MAX, SCALE_GRANULARITIES
 from flashrl.engine.model import Decoder, ForwardBatch, attention_mask
 from flashrl.engine.model_config import ModelConfig
 from flashrl.engine.weights import WeightMap, checkpoint_files
+from flashrl.errors import CheckpointError, ConfigError, InputError
 from flashrl.quant.primitives import _scale_from_amax
 
 KV_MARGIN = 2.0
@@ -93,7 +94,7 @@ def rope_pair_amax(x: torch.Tensor) -> torch.Tensor:
 def scales_from_amax(amax: torch.Tensor, margin: float = KV_MARGIN) -> torch.Tensor:
     """``max(amax * margin, 1e-10) / 448`` in fp32 (flashrl.quant's scale floor and division)."""
     if not margin >= 1.0:
-        raise ValueError(f"margin={margin!r} must be >= 1 (a margin below 1 clips the calibration set itself)")
+        raise ConfigError(f"margin={margin!r} must be >= 1 (a margin below 1 clips the calibration set itself)")
     return _scale_from_amax(amax.float() * margin, FP8_MAX, None)
 
 
@@ -125,7 +126,7 @@ class KVAmaxObserver:
     def scales(self, granularity: str = "layer", margin: float = KV_MARGIN) -> KVScales:
         """Scales at `granularity` (``layer``: max over heads; ``head``: one per kv head)."""
         if granularity not in SCALE_GRANULARITIES[:2]:
-            raise ValueError(f"granularity={granularity!r} is invalid for static scales; allowed: layer, head")
+            raise ConfigError(f"granularity={granularity!r} is invalid for static scales; allowed: layer, head")
         amax = (self.k_amax, self.v_amax) + ((self.q_amax,) if self.q_amax is not None else ())
         if not all(bool(torch.isfinite(a).all()) for a in amax):
             raise ValueError("KV calibration saw non-finite K, V or Q values: the model weights produce NaN or Inf")
@@ -143,7 +144,7 @@ class RecentSequences:
 
     def __init__(self, max_tokens: int = CALIBRATION_TOKENS, max_seq_tokens: int = CALIBRATION_SEQ_TOKENS) -> None:
         if max_tokens < 1 or max_seq_tokens < 1:
-            raise ValueError(f"max_tokens={max_tokens} and max_seq_tokens={max_seq_tokens} must be >= 1")
+            raise ConfigError(f"max_tokens={max_tokens} and max_seq_tokens={max_seq_tokens} must be >= 1")
         self.max_tokens, self.max_seq_tokens = max_tokens, max_seq_tokens
         self._sequences: list[list[int]] = []
 
@@ -198,10 +199,10 @@ def padded_batches(
 def _check_sequences(sequences: Sequence[Sequence[int]], vocab_size: int, max_len: int) -> list[list[int]]:
     seqs = [[int(t) for t in s[:max_len]] for s in sequences if len(s)]
     if not seqs:
-        raise ValueError("KV calibration needs at least one non-empty token sequence")
+        raise InputError("KV calibration needs at least one non-empty token sequence")
     bad = [t for s in seqs for t in s if not 0 <= t < vocab_size][:5]
     if bad:
-        raise ValueError(f"calibration token id(s) {bad} outside the vocabulary [0, {vocab_size})")
+        raise InputError(f"calibration token id(s) {bad} outside the vocabulary [0, {vocab_size})")
     return seqs
 
 
@@ -249,7 +250,7 @@ def calibrate_from_weights(
     layer at a time (peak memory: the embedding plus one layer, quantized with `scheme`).
 
     `get_tensor(name)` returns a checkpoint tensor by name, e.g. ``dict(trainer_params).__getitem__``
-    or `checkpoint_getter`. Raises KeyError naming a tensor it cannot get.
+    or `checkpoint_getter` (which raises a `CheckpointError` naming a tensor the checkpoint lacks).
     """
     seqs = _check_sequences(sequences, config.vocab_size, config.max_position_embeddings)
     device = torch.device(device)
@@ -296,7 +297,7 @@ def checkpoint_getter(model_dir: str | Path) -> Callable[[str], torch.Tensor]:
 
     def get_tensor(name: str) -> torch.Tensor:
         if name not in where:
-            raise KeyError(f"checkpoint {model_dir} has no tensor {name!r}")
+            raise CheckpointError(f"checkpoint {model_dir} has no tensor {name!r}")
         with safe_open(str(where[name]), framework="pt") as handle:
             return handle.get_tensor(name)
 
