@@ -180,23 +180,40 @@ def test_bench_and_profile_refuse_out_equal_to_an_input(tmp_path, monkeypatch, c
     assert (config.read_text(), prompts.read_text()) == ("{}", "1+1=\n")
 
 
-def test_setup_writes_atomically(tmp_path, monkeypatch, capsys):
-    """A failure while writing leaves the previous output intact and no temporary file behind."""
-    from flashrl import fileio
+def minimal_profile(path):
+    """The smallest file `flashrl setup` accepts: one scheme, no layers, no measured mismatch."""
+    from flashrl.profile import SCHEMA_VERSION
+    from flashrl.quant.linear import DEFAULT_SKIP
 
+    doc = {"schema_version": SCHEMA_VERSION, "layers": [],
+           "settings": {"schemes": ["int8"], "kv_cache_dtype": "bf16", "lm_head_fp32": False, "threshold": 0.1},
+           "schemes": {"int8": {"skip": list(DEFAULT_SKIP), "mismatch": {}, "mismatch_after_skip": None}}}
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_outputs_are_written_atomically(tmp_path, monkeypatch, capsys):
+    """A write that fails (here: a full disk at the rename) leaves the previous output intact and no
+    temporary file behind, and is one line naming the file."""
+    from flashrl import fileio
+    from flashrl.config import RolloutConfig
+
+    profile = minimal_profile(tmp_path / "p.json")
     out = tmp_path / "flashrl.yaml"
     out.write_text("previous\n")
 
-    def broken_replace(src, dst):
+    def full_disk(src, dst):
         raise OSError(errno.ENOSPC, "No space left on device", str(dst))
 
-    monkeypatch.setattr(fileio.os, "replace", broken_replace)
-    with pytest.raises(OSError):
-        fileio.atomic_write_text(out, "new\n")
-    assert out.read_text() == "previous\n" and sorted(p.name for p in tmp_path.iterdir()) == ["flashrl.yaml"]
+    monkeypatch.setattr(fileio.os, "replace", full_disk)
+    assert main(["setup", "--profile", str(profile), "--out", str(out)]) == 2
+    assert one_line_error(capsys, "setup") == f"{out}: No space left on device"
+    assert out.read_text() == "previous\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flashrl.yaml", "p.json"]
     monkeypatch.undo()
-    fileio.atomic_write_text(out, "new\n")
-    assert out.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["flashrl.yaml"]
+    assert main(["setup", "--profile", str(profile), "--out", str(out)]) == 0
+    assert RolloutConfig.from_yaml(out).quant == "int8"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flashrl.yaml", "p.json"]
 
 
 # ------------------------------------------------------------------------------------------------
