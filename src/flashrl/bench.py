@@ -135,7 +135,8 @@ def parse_kv_dtypes(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in KV_CACHE_DTYPES]
     if bad or not names:
-        raise ConfigError(f"--kv-cache-dtype {text!r} is invalid; allowed: a comma-separated list of {', '.join(KV_CACHE_DTYPES)}")
+        raise ConfigError(f"--kv-cache-dtype {text!r} is invalid; allowed: a comma-separated list of "
+                          f"{', '.join(KV_CACHE_DTYPES)}")
     return list(dict.fromkeys(names))
 
 
@@ -146,7 +147,8 @@ def parse_compile_modes(text: str) -> list[str | None]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n != "none" and n not in COMPILE_MODES]
     if bad or not names:
-        raise ConfigError(f"--compile {text!r} is invalid; allowed: a comma-separated list of none, {', '.join(COMPILE_MODES)}")
+        raise ConfigError(f"--compile {text!r} is invalid; allowed: a comma-separated list of none, "
+                          f"{', '.join(COMPILE_MODES)}")
     return [None if n == "none" else n for n in dict.fromkeys(names)]
 
 

@@ -233,7 +233,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf", action="store_true", help="also time transformers generate on the same prompts")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
-    p.add_argument("--out", default="bench.json", help="JSON output file ('' for none; non-finite numbers are null)")
+    p.add_argument("--out", default="bench.json",
+                   help="JSON output file ('' for none; non-finite numbers are written as null)")
     p.set_defaults(run=run_bench, inputs=("random_weights",))
 
 

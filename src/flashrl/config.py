@@ -155,7 +155,8 @@ def _check_skip(skip: Any) -> tuple[str, ...]:
         raise ConfigError(f"skip must be a list of module-name patterns, got {skip!r}")
     for pattern in skip:
         if not isinstance(pattern, str) or not pattern.strip():
-            raise ConfigError(f"skip must be a list of non-empty module-name patterns, got {pattern!r} in {list(skip)!r}")
+            raise ConfigError(f"skip must be a list of non-empty module-name patterns, got {pattern!r} "
+                              f"in {list(skip)!r}")
         if pattern.startswith("re:"):
             try:
                 re.compile(pattern[3:])

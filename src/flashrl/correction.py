@@ -947,7 +947,9 @@ def ppo_clip_loss(
     if dual_clip is not None and not (_is_number(dual_clip) and dual_clip > 1.0):
         raise ConfigError(f"dual_clip={dual_clip!r} is invalid; allowed: None or a number > 1 (DAPO uses 10)")
     if loss_scale_denominator is not None and not (_is_number(loss_scale_denominator) and loss_scale_denominator > 0):
-        raise ConfigError(f"loss_scale_denominator={loss_scale_denominator!r} is invalid; allowed: None or a number > 0")
+        raise ConfigError(
+            f"loss_scale_denominator={loss_scale_denominator!r} is invalid; allowed: None or a number > 0"
+        )
     if max_length is not None and not (isinstance(max_length, int) and max_length > 0):
         raise ConfigError(f"max_length={max_length!r} is invalid; allowed: None or an int > 0")
 

@@ -137,7 +137,8 @@ class ProfileConfig:
             raise ConfigError(f"--threshold {self.threshold!r} is invalid; allowed: a positive number "
                               f"(relative output error, default {DEFAULT_THRESHOLD})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is invalid; allowed: {', '.join(KV_CACHE_DTYPES)}")
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is invalid; "
+                              f"allowed: {', '.join(KV_CACHE_DTYPES)}")
         for name in ("max_prompt_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
@@ -191,7 +192,8 @@ def read_prompts_file(path: str | Path) -> list[str]:
             if isinstance(item, dict):
                 item = item.get("prompt", item.get("text"))
             if not isinstance(item, str) or not item:
-                raise InputError(f'{path}:{number}: expected a JSON string or an object with a "prompt" or "text" string')
+                raise InputError(f'{path}:{number}: expected a JSON string or an object with a "prompt" or '
+                                 f'"text" string')
             prompts.append(item)
         else:
             prompts.append(line)
@@ -205,7 +207,8 @@ def calibration_prompts(cfg: ProfileConfig, engine, max_prompt_tokens: int) -> t
     info: dict[str, Any] = {"source": "builtin", "file": None, "note": None}
     if engine.tokenizer is None:
         if cfg.prompts is not None:
-            raise ConfigError(f"--prompts {cfg.prompts}: {cfg.model} has no tokenizer, so text prompts cannot be encoded")
+            raise ConfigError(f"--prompts {cfg.prompts}: {cfg.model} has no tokenizer, so text prompts cannot be "
+                              f"encoded")
         gen = torch.Generator().manual_seed(cfg.seed)
         vocab = engine.model_config.vocab_size
         lengths = torch.randint(max(1, max_prompt_tokens // 4), max_prompt_tokens + 1, (_RANDOM_PROMPTS,), generator=gen)
@@ -404,8 +407,9 @@ def run_profile(cfg: ProfileConfig) -> dict[str, Any]:
     schemes = cfg.schemes()
     model_config = ModelConfig.from_model_dir(cfg.model)  # clear errors for a missing or bad directory
     if cfg.kv_cache_dtype != "bf16" and not kv_cache_dtype_supported():
-        raise UnsupportedError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: the fp8 KV cache is not available in this build "
-                               f"of flashrl (Engine has no kv_cache_dtype argument or no kv_cache_mismatch); profile without it")
+        raise UnsupportedError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: the fp8 KV cache is not available in this "
+                               f"build of flashrl (Engine has no kv_cache_dtype argument or no kv_cache_mismatch); "
+                               f"profile without it")
     # Prompt and response budgets within the model's context.
     max_new = min(cfg.max_new_tokens, max(1, model_config.max_position_embeddings // 2))
     max_prompt = min(cfg.max_prompt_tokens, model_config.max_position_embeddings - max_new)
@@ -658,7 +662,8 @@ def build_setup(profile: dict[str, Any], quant: str | None = None, threshold: fl
     schemes = profile["settings"]["schemes"]
     if quant is None:
         if len(schemes) != 1:
-            raise ConfigError(f"{source} profiles {len(schemes)} schemes ({', '.join(schemes)}); choose one with --quant")
+            raise ConfigError(f"{source} profiles {len(schemes)} schemes ({', '.join(schemes)}); "
+                              f"choose one with --quant")
         quant = schemes[0]
     quant = quant.strip().lower()
     if quant not in schemes:

@@ -116,7 +116,8 @@ def use_triton(x: torch.Tensor) -> bool:
     elif mode == "triton":
         reason = unsupported_reason(x)
         if reason is not None:
-            raise KernelsUnavailableError(f"{ENV_VAR}=triton (or set_mode('triton')) but {reason}; use 'auto' or 'torch'")
+            raise KernelsUnavailableError(f"{ENV_VAR}=triton (or set_mode('triton')) but {reason}; "
+                                          f"use 'auto' or 'torch'")
         choice = True
     else:
         choice = x.is_cuda and triton_available()
