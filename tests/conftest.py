@@ -14,15 +14,20 @@ import torch
 torch.set_num_threads(1)
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_TRL = HAS_VLLM and importlib.util.find_spec("trl") is not None
 # Without vLLM the vllm suite is not collected at all (scripts/test.sh runs it in .venv-vllm), so
-# the report shows no skipped tests that were never meant to run here.
-collect_ignore_glob = [] if HAS_VLLM else ["test_vllm_*.py"]
+# the report shows no skipped tests that were never meant to run here; likewise the TRL tests
+# without TRL + vLLM (.venv-trl).
+collect_ignore_glob = ([] if HAS_VLLM else ["test_vllm_*.py"]) + ([] if HAS_TRL else ["test_trl_*.py"])
 
 
 def pytest_report_header(config):
+    lines = []
     if not HAS_VLLM:
-        return "vllm is not installed: tests/test_vllm_*.py not collected (scripts/test.sh runs them in .venv-vllm)"
-    return None
+        lines.append("vllm is not installed: tests/test_vllm_*.py not collected (scripts/test.sh runs them in .venv-vllm)")
+    if not HAS_TRL:
+        lines.append("trl + vllm not installed: tests/test_trl_*.py not collected (scripts/test.sh runs them in .venv-trl)")
+    return lines or None
 
 
 @pytest.fixture
