@@ -26,6 +26,7 @@ from flashrl.quant.linear import QuantLinear  # noqa: E402
 from flashrl.rollout import Rollout, RolloutBackend  # noqa: E402
 from flashrl.vllm_backend import METHOD_NAMES, WeightSync, engine_kwargs  # noqa: E402
 from flashrl.vllm_backend.testing import load_state_dict, save_perturbed_copy, save_tiny_vllm_model  # noqa: E402
+from flashrl.vllm_backend.kernels import kernel_name  # noqa: E402
 from flashrl.vllm_backend.weight_sync import check_fused_complete  # noqa: E402
 
 SCHEMES = ("bf16", "int8", "fp8", "fp8_channel", "fp8_block")
@@ -120,7 +121,12 @@ def assert_layers_match(llm, state_dict, scheme: str) -> None:
             x = torch.randn(7, layer.input_size_per_partition, generator=torch.Generator().manual_seed(i),
                             dtype=torch.bfloat16)
             y = layer.quant_method.apply(layer, x, layer.bias)
-            assert torch.equal(y, expected(x)), f"forward differs: {where}"
+            if kernel_name(getattr(layer, "flashrl_kernel_id", -1)) == "flashrl":
+                assert torch.equal(y, expected(x)), f"forward differs: {where}"
+            else:  # vLLM's kernel quantizes the activations itself: same math, its own rounding
+                want = expected(x).double()
+                error = float((y.double() - want).norm() / want.norm())
+                assert error < 2e-2, f"forward of {where} via {kernel_name(layer.flashrl_kernel_id)}: {error:.3g}"
 
 
 def fresh_record(llm) -> dict:
@@ -157,12 +163,15 @@ def engine(request, checkpoints):
 
 def test_layers_equal_quantlinear_bit_for_bit(engine, checkpoints):
     """Every quantized vLLM layer holds exactly the codes and scales of
-    `QuantLinear.from_linear(fused, scheme, shard_sizes=...)` and computes exactly its forward;
-    embeddings and LM head stay unquantized."""
+    `QuantLinear.from_linear(fused, scheme, shard_sizes=...)` and computes its forward (exactly with
+    flashrl's op, to rounding with vLLM's kernel: tests/test_vllm_kernels.py); embeddings and LM
+    head stay unquantized."""
     scheme, llm = engine["scheme"], engine["llm"]
     model = model_of(llm)
-    assert type(model.model.embed_tokens.quant_method).__name__ == "UnquantizedEmbeddingMethod"
-    assert type(model.lm_head.quant_method).__name__ == "UnquantizedEmbeddingMethod"
+    unquantized = "UnquantizedEmbeddingMethod" if scheme == "bf16" else "FlashRLEmbeddingMethod"
+    assert type(model.model.embed_tokens.quant_method).__name__ == unquantized
+    assert type(model.lm_head.quant_method).__name__ == unquantized
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.model.norm.weight.dtype == torch.bfloat16
     if scheme == "bf16":
         assert llm.llm_engine.vllm_config.model_config.quantization is None

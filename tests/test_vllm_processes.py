@@ -104,7 +104,7 @@ def test_flashrl_config_switches_unmodified_script(checkpoints, tmp_path):
     assert result["logprobs_mode"] == "processed_logprobs"
     assert result["transfer_backend"] == "flashrl"
     assert result["methods"] == {
-        f"model.layers.{i}.{name}": "UnquantizedLinearMethod" if name == "mlp.down_proj" else "FlashRLLinearMethod"
+        f"model.layers.{i}.{name}": "FlashRLDenseLinearMethod" if name == "mlp.down_proj" else "FlashRLLinearMethod"
         for i in range(2) for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
     assert result["transport"] == "file"
     assert result["layers_requantized"] == 6  # 3 quantized linear layers x 2 decoder layers

@@ -1,0 +1,138 @@
+"""flashrl's vLLM methods run vLLM's own scaled-mm kernels where vLLM has one for the scheme.
+
+- int8 on vLLM-CPU runs vLLM's oneDNN int8 kernel, and its logprobs equal vLLM running a
+  pre-quantized compressed-tensors W8A8 int8 checkpoint that holds flashrl's own codes and scales
+  (same kernel, same weights: bit-identical tokens and logprobs).
+- Every scheme's layer output stays within rounding of `QuantLinear` on the same codes, whichever
+  kernel was chosen, and the choice is logged.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+
+from flashrl.vllm_backend.testing import apply_test_env  # noqa: E402
+
+apply_test_env()
+
+from flashrl.quant.linear import QuantLinear  # noqa: E402
+from flashrl.vllm_backend import engine_kwargs  # noqa: E402
+from flashrl.vllm_backend import kernels  # noqa: E402
+from flashrl.vllm_backend.kernels import kernel_name  # noqa: E402
+from flashrl.vllm_backend.testing import save_tiny_vllm_model  # noqa: E402
+
+LLM_ARGS = dict(dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0, max_num_seqs=8)
+PROMPTS = ["Hello world", "The quick brown fox", "1+1="]
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return save_tiny_vllm_model(tmp_path_factory.mktemp("kernels") / "base", family="qwen2", seed=0,
+                                hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                num_key_value_heads=2, initializer_range=0.2, dtype=torch.bfloat16)
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def model_of(llm):
+    return llm.apply_model(lambda model: model)[0]
+
+
+def outputs(llm):
+    results = []
+    for params in (vllm.SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True),
+                   vllm.SamplingParams(temperature=0.8, n=2, seed=5, max_tokens=12, logprobs=0, ignore_eos=True)):
+        for out in llm.generate(PROMPTS, params, use_tqdm=False):
+            for c in out.outputs:
+                results.append((list(c.token_ids), [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]))
+    return results
+
+
+def save_compressed_tensors_int8(src, dst) -> None:
+    """A compressed-tensors W8A8 int8 checkpoint (per-channel weights, dynamic per-token activations)
+    whose codes and scales are flashrl's quantization of `src`'s linear weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+            layer = QuantLinear(tensor.shape[1], tensor.shape[0], "int8", dtype=tensor.dtype)
+            layer.requantize_(tensor)
+            out[name] = layer.weight.clone()
+            out[name.removesuffix("weight") + "weight_scale"] = layer.weight_scale.clone()
+        else:
+            out[name] = tensor
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                  "dynamic": True},
+        }},
+        "ignore": ["lm_head"],
+    }
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+def test_int8_runs_vllms_kernel_and_equals_a_prequantized_checkpoint(base, tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(kernels, "_logged", set())  # the choice is logged once per process and scheme
+    with caplog.at_level(logging.INFO, logger="flashrl"):
+        llm = vllm.LLM(str(base), **engine_kwargs("int8"), **LLM_ARGS)
+    model = model_of(llm)
+    layer = model.model.layers[0].self_attn.qkv_proj
+    assert kernel_name(layer.flashrl_kernel_id) == "CPUInt8ScaledMMLinearKernel"
+    assert any("flashrl_int8: vLLM's CPUInt8ScaledMMLinearKernel" in r.getMessage() for r in caplog.records)
+    online = outputs(llm)
+    codes = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(("weight", "weight_scale"))}
+    shutdown(llm)
+
+    save_compressed_tensors_int8(base, tmp_path / "w8a8")
+    llm = vllm.LLM(str(tmp_path / "w8a8"), **LLM_ARGS, logprobs_mode="processed_logprobs")
+    method = type(model_of(llm).model.layers[0].self_attn.qkv_proj.scheme).__name__
+    assert method == "CompressedTensorsW8A8Int8", method
+    prequantized = outputs(llm)
+    shutdown(llm)
+    assert online == prequantized, "flashrl_int8 and the pre-quantized W8A8 checkpoint disagree"
+    assert codes["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.int8
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8_channel", "fp8_block"])
+def test_every_scheme_forward_is_quantlinear_up_to_rounding(base, scheme, caplog, monkeypatch):
+    monkeypatch.setattr(kernels, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="flashrl"):
+        llm = vllm.LLM(str(base), **engine_kwargs(scheme), **LLM_ARGS)
+    assert any(r.getMessage().startswith(f"flashrl_{scheme}: ") for r in caplog.records), "kernel choice not logged"
+    for layer in (m for n, m in model_of(llm).named_modules() if n.endswith(("qkv_proj", "down_proj"))):
+        reference = QuantLinear(layer.input_size_per_partition, layer.output_size_per_partition, scheme,
+                                shard_sizes=layer.logical_widths, dtype=torch.bfloat16)
+        reference.weight.copy_(layer.weight)
+        reference.weight_scale.copy_(layer.weight_scale)
+        if reference.row_scale is not None:
+            reference.row_scale.copy_(layer.row_scale)
+        x = torch.randn(9, layer.input_size_per_partition, generator=torch.Generator().manual_seed(1),
+                        dtype=torch.bfloat16)
+        got = layer.quant_method.apply(layer, x).double()
+        want = reference(x).double()
+        error = float((got - want).norm() / want.norm())
+        assert error < 2e-2, f"{scheme} via {kernel_name(layer.flashrl_kernel_id)}: relative error {error:.3g}"
+    shutdown(llm)
