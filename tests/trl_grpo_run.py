@@ -112,7 +112,7 @@ def main() -> int:
     start = time.perf_counter()
     try:
         run(args, scheme, result)
-    except BaseException:  # noqa: BLE001 - reported through the JSON, then the exit code
+    except Exception:  # reported through the JSON, then the exit code
         result["error"] = traceback.format_exc()
     result["seconds"] = time.perf_counter() - start
     tmp = f"{args.out}.tmp"
@@ -146,7 +146,9 @@ def run(args: argparse.Namespace, scheme: str, result: dict[str, Any]) -> None:
             self.initial = snapshot(model)
 
         def on_step_begin(self, args, state, control, model=None, **kwargs):
-            self.synced = snapshot(model)  # what TRL pushes into vLLM in this step, before generating
+            # What TRL pushes into vLLM in this step, before generating (steps_per_generation is 1 here,
+            # so TRL generates, and syncs, in every step).
+            self.synced = snapshot(model)
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             from flashrl.vllm_backend import direct_load
@@ -181,6 +183,8 @@ def run(args: argparse.Namespace, scheme: str, result: dict[str, Any]) -> None:
         output_dir=os.path.join(os.path.dirname(os.path.abspath(args.out)), "trl_out"),
         use_vllm=True, vllm_mode="colocate", use_cpu=True, bf16=False,
         max_completion_length=8, num_generations=2, per_device_train_batch_size=2, max_steps=args.steps,
+        # Large on purpose: after one step the weights move far beyond quantization and bf16 noise, so
+        # "the engine follows the current weights, not the initial ones" is a clear-cut comparison.
         learning_rate=3e-2, report_to="none", logging_steps=1, save_strategy="no", seed=0,
     )
     check = SyncCheck()
