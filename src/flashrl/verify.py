@@ -416,7 +416,7 @@ def _environ(values: Mapping[str, str | None]) -> Iterator[None]:
 def check_vllm(ctx: VerifyContext, scheme: str) -> str | tuple[str, str]:
     """vLLM engine on A + WeightSync.push(B) gives the greedy tokens and logprobs of a fresh engine on B."""
     if importlib.util.find_spec("vllm") is None:
-        return SKIP, "vLLM is not installed (pip install 'flashrl[vllm]')"
+        return SKIP, "vLLM is not installed (see docs/vllm.md, Install)"
     from flashrl.vllm_backend.testing import TEST_ENV, load_state_dict, save_char_tokenizer
 
     for name in ("a", "b"):

@@ -22,7 +22,7 @@ import functools
 import logging
 import os
 
-from flashrl.vllm_backend.names import TESTED_VLLM_VERSIONS, TRANSFER_BACKEND
+from flashrl.vllm_backend.names import TRANSFER_BACKEND
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +35,16 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    from flashrl.vllm_backend.install_check import check_vllm_install
+
+    warning = check_vllm_install()  # raises on a CUDA/CPU vLLM mix, before vLLM fails obscurely
+    if warning:
+        logger.warning(warning)
     import vllm
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from flashrl.vllm_backend.quant_methods import CONFIG_CLASSES
-
-    if vllm.__version__ not in TESTED_VLLM_VERSIONS:
-        logger.warning(
-            "flashrl's vLLM backend is tested with vLLM %s; found %s", ", ".join(TESTED_VLLM_VERSIONS), vllm.__version__
-        )
     for config_cls in CONFIG_CLASSES:
         register_quantization_config(config_cls.method_name())(config_cls)
     try:
