@@ -114,7 +114,15 @@ def qkv_split(state_dict):
     return [[i] for i in first] + [[i] for i in rest]
 
 
-PATTERNS = {"per_tensor_shuffled": per_tensor_shuffled, "all_at_once": all_at_once, "qkv_split": qkv_split}
+def verl_buckets(state_dict):
+    """verl's current sharding manager: buckets of a few tensors, a q/k/v or gate/up group split
+    across two buckets (the final `process_weights_after_loading` call is made by the test)."""
+    items = list(state_dict.items())
+    return [items[i:i + 5] for i in range(0, len(items), 5)]
+
+
+PATTERNS = {"per_tensor_shuffled": per_tensor_shuffled, "all_at_once": all_at_once, "qkv_split": qkv_split,
+            "verl_buckets": verl_buckets}
 
 
 @pytest.mark.parametrize("scheme", QUANT_SCHEMES)
@@ -132,6 +140,11 @@ def test_direct_load_patterns_equal_a_fresh_load(checkpoints, scheme):
     for name, pattern in PATTERNS.items():
         for call in pattern(checkpoints[f"{target}_sd"]):
             model.load_weights(call)
+        if name == "verl_buckets":
+            from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+            config = llm.llm_engine.vllm_config.model_config
+            process_weights_after_loading(model, config, next(model.parameters()).device)
         assert_same(snapshot(llm), fresh[target][0], f"{scheme}/{name}")
         assert outputs(llm) == fresh[target][1], f"{scheme}/{name}: generation differs from a fresh engine"
         assert storages(llm) == addresses, f"{scheme}/{name}: a parameter moved to a new storage"

@@ -167,6 +167,22 @@ class FlashRLWorkerExtension:
                  "k_float": attn._k_scale_float, "v_float": attn._v_scale_float}
                 for index, attn in attention_layers(self.model_runner.get_model())]
 
+    def flashrl_load_stats(self, reset: bool = False) -> dict[str, float]:
+        """Direct ``load_weights`` counters of this worker (`flashrl.vllm_backend.direct_load.load_stats`):
+        tensors staged, layers re-quantized, incomplete groups reported, layers still pending."""
+        from flashrl.vllm_backend.direct_load import load_stats
+
+        return load_stats(reset)
+
+    def flashrl_linear_kernels(self) -> dict[str, str]:
+        """``{module name: GEMM}`` of every flashrl-quantized layer: a vLLM kernel class name, or
+        ``flashrl`` for flashrl's own op (`flashrl.vllm_backend.kernels`)."""
+        from flashrl.vllm_backend.kernels import kernel_name
+
+        model = self.model_runner.get_model()
+        return {name: kernel_name(module.flashrl_kernel_id) for name, module in model.named_modules()
+                if hasattr(module, "flashrl_kernel_id")}
+
     def flashrl_pop_requant_stats(self) -> dict[str, float]:
         """Seconds spent re-quantizing and layers re-quantized since the last call (then reset)."""
         from flashrl.vllm_backend.quant_methods import pop_requant_stats
