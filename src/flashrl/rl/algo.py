@@ -1,4 +1,5 @@
 """RL algorithm pieces as pure functions: advantages, reward shaping, group filtering, KL penalty.
+The PPO-clip loss and the loss aggregations are in ``flashrl.rl.loss``.
 
 Rewards come prompt-major: the `group_size` samples of a prompt are adjacent.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from flashrl.errors import ConfigError, InputError
+from flashrl.masked import LOG_RATIO_CLAMP
 
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 
@@ -27,11 +29,17 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, estimator: str = "grpo", norm_by_std: bool = True, eps: float = 1e-6
+    rewards: torch.Tensor,
+    group_size: int,
+    estimator: str = "grpo",
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """Per-sample advantages [N] from rewards [N]; see the module table."""
     if estimator not in ADVANTAGES:
-        raise ConfigError(f"advantage estimator {estimator!r} is invalid; allowed: {', '.join(ADVANTAGES)}")
+        raise ConfigError(
+            f"advantage estimator {estimator!r} is invalid; allowed: {', '.join(ADVANTAGES)}"
+        )
     g = _groups(rewards, group_size)
     centered = g - g.mean(dim=1, keepdim=True)
     if estimator == "rloo":
@@ -43,13 +51,17 @@ def group_advantages(
     return centered.reshape(-1)
 
 
-def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(
+    lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0
+) -> torch.Tensor:
     """DAPO's soft overlong punishment, added to rewards: 0 up to ``max_length - buffer`` tokens,
     then falling linearly to ``-factor`` at `max_length` (and below for longer responses)."""
     if buffer <= 0:
         return torch.zeros_like(lengths, dtype=torch.float32)
     if buffer >= max_length:
-        raise ConfigError(f"overlong buffer {buffer} must be smaller than the maximum length {max_length}")
+        raise ConfigError(
+            f"overlong buffer {buffer} must be smaller than the maximum length {max_length}"
+        )
     start = max_length - buffer
     over = (lengths.float() - start).clamp(min=0)
     return -(over / buffer).clamp(max=1.0) * factor
@@ -63,10 +75,13 @@ def informative_groups(rewards: torch.Tensor, group_size: int, eps: float = 1e-6
     return keep.repeat_interleave(group_size)
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate: `k1` = lp - lp_ref; `k3` = exp(lp_ref - lp) - (lp_ref - lp) - 1
-    (non-negative, low variance; GRPO's choice); `k2` = (lp - lp_ref)^2 / 2."""
-    diff = (ref_logprobs - logprobs).clamp(-20, 20)
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3"
+) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate: `k1` = lp - lp_ref;
+    `k3` = exp(lp_ref - lp) - (lp_ref - lp) - 1 (non-negative, low variance; GRPO's choice);
+    `k2` = (lp - lp_ref)^2 / 2."""
+    diff = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if kind == "k1":
         return -diff
     if kind == "k2":

@@ -1,0 +1,130 @@
+"""Importance weights, rejection masks and batch normalization (formulas in ``docs/correction.md``).
+
+Follows verl ``verl/trainer/ppo/rollout_corr_helper.py``: ``compute_rollout_correction_weights``
+(weights and batch normalization) and ``compute_rollout_rejection_mask`` (k1/k2/k3 rejection).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashrl.correction.config import CorrectionConfig
+from flashrl.correction.options import ICEPOP_BAND
+from flashrl.correction.ratios import LogRatio
+
+__all__ = ["batch_normalize", "is_weights", "log_or_neg_inf", "rejection", "resolved_band"]
+
+
+def log_or_neg_inf(x: float) -> float:
+    return math.log(x) if x > 0 else -math.inf
+
+
+def resolved_band(config: CorrectionConfig) -> tuple[float, float]:
+    """The ``(lo, hi)`` band of a ``*_mis`` weight (its default when ``band`` is None)."""
+    if config.band is not None:
+        return config.band
+    return ICEPOP_BAND if config.weight == "token_mis" else (0.0, config.cap)
+
+
+def is_weights(
+    r: LogRatio, config: CorrectionConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[B, T]`` weights, raw weights (before truncation or masking; 0 on padding) and the valid
+    tokens whose weight was truncated (``*_tis``) or zeroed (``*_mis``)."""
+    v = r.valid
+    if config.weight.startswith("seq"):
+        raw = v.maskf * r.seq_ell.exp().unsqueeze(-1)
+        log_ratio = r.seq_ell.unsqueeze(-1)  # [B, 1], broadcast
+    else:
+        raw = (r.rho_m1 + 1.0).mul_(v.maskf)
+        log_ratio = r.ell
+    if config.weight == "none":
+        return v.maskf, raw, torch.zeros_like(v.mask)
+    if config.weight.endswith("tis"):
+        return raw.clamp(max=config.cap), raw, (log_ratio > math.log(config.cap)) & v.mask
+    lo, hi = resolved_band(config)  # *_mis: compare in log space, exact at the band edges
+    inside = (log_ratio >= log_or_neg_inf(lo)) & (log_ratio <= log_or_neg_inf(hi))
+    return torch.where(inside, raw, 0.0), raw, ~inside & v.mask
+
+
+def _passes(stat: torch.Tensor, kind: str, lo: float, hi: float) -> torch.Tensor:
+    if kind == "k1":  # bounds on rho = exp(-k1): lo <= exp(-k1) <= hi
+        return (stat <= -log_or_neg_inf(lo)) & (stat >= -log_or_neg_inf(hi))
+    return stat <= hi
+
+
+def _token_stat(r: LogRatio, kind: str) -> torch.Tensor:
+    """The per-token statistic (0 on padding); the sign convention is verl's: k1 = -log rho."""
+    if kind == "k1":
+        return -r.ell
+    if kind == "k2":
+        return 0.5 * r.ell.square()
+    return r.k3
+
+
+def _seq_stat(stat: torch.Tensor, level: str, n: torch.Tensor) -> torch.Tensor:
+    if level == "seq_sum":
+        return stat.sum(-1)
+    if level == "seq_mean":
+        return stat.sum(-1) / n.clamp_min(1.0)
+    # seq_max (k2, k3 only): they are >= 0 and 0 on padding, so a plain row max is the masked one
+    return stat.amax(-1) if stat.shape[-1] else stat.new_zeros(stat.shape[:-1])
+
+
+def rejection(
+    r: LogRatio, config: CorrectionConfig
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+    """The response mask with rejected tokens removed, and the rejection metrics."""
+    v = r.valid
+    if not config.rejection:
+        return v.mask, {"rollout_rs_masked_fraction": 0.0, "rollout_rs_seq_masked_fraction": 0.0}
+    kept, seq_kept = v.mask, torch.ones_like(v.seq)
+    metrics: dict[str, torch.Tensor | float] = {}
+    for option, (lo, hi) in config.rejection_bounds().items():
+        level, kind = option.rsplit("_", 1)
+        stat = _token_stat(r, kind)
+        prefix = f"rollout_rs_{option}"
+        if level == "token":
+            rejected = ~_passes(stat, kind, lo, hi) & v.mask
+            kept = kept & ~rejected
+            metrics[f"{prefix}_masked_fraction"] = v.frac(rejected)
+            metrics[f"{prefix}_seq_masked_fraction"] = v.seq_frac(rejected.any(-1))
+            metrics[f"{prefix}_mean"] = v.mean(stat)
+            metrics[f"{prefix}_max"] = v.max(stat)
+            metrics[f"{prefix}_min"] = v.min(stat)
+            continue
+        stat = _seq_stat(stat, level, v.n)
+        failed = ~_passes(stat, kind, lo, hi) & v.seq
+        seq_kept = seq_kept & ~failed
+        metrics[f"{prefix}_masked_fraction"] = (v.n * failed).sum() / v.n_tokens
+        metrics[f"{prefix}_seq_masked_fraction"] = v.seq_frac(failed)
+        metrics[f"{prefix}_mean"] = v.seq_mean(stat)
+        metrics[f"{prefix}_max"] = v.seq_max(stat)
+        metrics[f"{prefix}_min"] = v.seq_min(stat)
+    kept = kept & seq_kept.unsqueeze(-1)
+    kept_n = kept.count_nonzero(-1)
+    summary = {
+        "rollout_rs_masked_fraction": (v.n - kept_n).sum() / v.n_tokens,
+        "rollout_rs_seq_masked_fraction": v.seq_frac(kept_n < v.n),
+    }
+    return kept, {**summary, **metrics}
+
+
+def batch_normalize(
+    weights: torch.Tensor, kept: torch.Tensor, config: CorrectionConfig
+) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """Divide by the mean weight over kept tokens (``seq_*`` weights: over kept sequences, each
+    once)."""
+    if config.weight.startswith("seq"):
+        kept_seq = kept.any(-1)
+        per_seq = weights.amax(-1) if weights.shape[-1] else weights.new_zeros(weights.shape[:-1])
+        factor = torch.where(kept_seq, per_seq, 0.0).sum() / kept_seq.count_nonzero().clamp_min(1)
+    else:
+        factor = weights.sum() / kept.count_nonzero().clamp_min(
+            1
+        )  # weights are 0 off the kept tokens
+    if factor.item() <= 1e-8:  # nothing (or only zero weights) kept: leave the weights alone
+        return weights, 1.0
+    return weights / factor, factor
