@@ -1,5 +1,7 @@
 """Tests for flashrl.correction: each mode against a plain loop reference, property tests, hand-computed
-metrics, the zero-mismatch identity, bad inputs, and the PPO-clip helper."""
+metrics, the zero-mismatch identity, bad inputs, and the PPO-clip helper. Metrics that share a name
+with verl are checked against ``verl_reference`` (verl's definitions in float64, issue 17); weights
+and masks against the loops below."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import math
 
 import pytest
 import torch
+import verl_reference as verl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,7 +43,7 @@ def _pstd(xs: list[float]) -> float:
 
 def _k_stat(kind: str, delta: float) -> float:
     ell = _clamp(delta)
-    return {"k1": -ell, "k2": ell * ell / 2, "k3": math.exp(ell) - 1 - ell}[kind]
+    return {"k1": -ell, "rho": ell, "k2": ell * ell / 2, "k3": math.exp(ell) - 1 - ell}[kind]
 
 
 def ref_correction(train, roll, mask, cfg: CorrectionConfig, bounds: dict[str, tuple[float, float]]):
@@ -72,7 +75,8 @@ def ref_correction(train, roll, mask, cfg: CorrectionConfig, bounds: dict[str, t
             stats = {t: _k_stat(kind, delta[t]) for t in valid}
 
             def ok(s, kind=kind, lo=lo, hi=hi):
-                return lo <= math.exp(-s) <= hi if kind == "k1" else s <= hi
+                # k1 (verl): lo <= exp(k1) = 1/rho <= hi; rho: lo <= rho <= hi; k2, k3: s <= hi
+                return lo <= math.exp(s) <= hi if kind in ("k1", "rho") else s <= hi
 
             if level == "token":
                 for t in valid:
@@ -100,70 +104,37 @@ def ref_correction(train, roll, mask, cfg: CorrectionConfig, bounds: dict[str, t
 
 
 def ref_mismatch(train, roll, mask, cap: float) -> dict[str, float]:
+    """verl's off-policy and probability-diff metrics, flashrl's extras by loops, and the
+    token-level ratio fractions of the band [1/cap, cap]."""
     toks = [(train[i][t], roll[i][t]) for i in range(len(mask)) for t in range(len(mask[i])) if mask[i][t]]
-    seqs = [[(train[i][t], roll[i][t]) for t in range(len(mask[i])) if mask[i][t]] for i in range(len(mask))]
-    seqs = [s for s in seqs if s]
-    delta = [a - b for a, b in toks]
     p_tr = [math.exp(a) for a, _ in toks]
     p_ro = [math.exp(b) for _, b in toks]
-    diff = [abs(x - y) for x, y in zip(p_tr, p_ro, strict=True)]
-    neg_log_g = [_mean([b - a for a, b in s]) for s in seqs]
-    tr_lp = [-_mean([a for a, _ in s]) for s in seqs]
-    ro_lp = [-_mean([b for _, b in s]) for s in seqs]
     mu_a, mu_b = _mean(p_tr), _mean(p_ro)
     cov = _mean([(x - mu_a) * (y - mu_b) for x, y in zip(p_tr, p_ro, strict=True)])
     den = _pstd(p_tr) * _pstd(p_ro)
-    return {
-        "kl": _mean([-d for d in delta]),
-        "k3_kl": _mean([math.exp(d) - 1 - d for d in delta]),
-        "chi2_token": _mean([math.exp(_clamp(d)) ** 2 for d in delta]) - 1 if delta else 0.0,
-        "chi2_seq": _mean([math.exp(2 * _clamp(sum(a - b for a, b in s))) for s in seqs]) - 1 if seqs else 0.0,
-        "training_log_ppl": _mean(tr_lp),
-        "training_ppl": _mean([math.exp(x) for x in tr_lp]),
-        "rollout_log_ppl": _mean(ro_lp),
-        "rollout_ppl": _mean([math.exp(x) for x in ro_lp]),
-        "log_ppl_diff": _mean(neg_log_g),
-        "log_ppl_abs_diff": _mean([abs(x) for x in neg_log_g]),
-        "log_ppl_diff_max": max(neg_log_g, default=0.0),
-        "log_ppl_diff_min": min(neg_log_g, default=0.0),
-        "ppl_ratio": _mean([math.exp(x) for x in neg_log_g]),
-        "rollout_probs_diff_max": max(diff, default=0.0),
-        "rollout_probs_diff_mean": _mean(diff),
-        "rollout_probs_diff_std": _pstd(diff),
-        "rollout_actor_probs_pearson_corr": cov / den if den > 0 else float(p_tr == p_ro),
-        "token_mult_prob_error": math.exp(_mean([abs(d) for d in delta])),
-        "rollout_is_ratio_fraction_high": _mean([float(math.exp(d) > cap) for d in delta]),
-        "rollout_is_ratio_fraction_low": _mean([float(math.exp(d) < 1 / cap) for d in delta]),
-    }
+    out = {**verl.offpolicy(train, roll, mask), **verl.probs_diff(train, roll, mask)}
+    out["rollout_actor_probs_pearson_corr"] = cov / den if den > 0 else float(p_tr == p_ro)
+    out["token_mult_prob_error"] = math.exp(_mean([abs(a - b) for a, b in toks]))
+    _, token_is = verl.is_weights(train, roll, mask, "token", cap)
+    for key in ("rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low"):
+        out[key] = token_is[key]
+    return out
 
 
 def ref_metrics(train, roll, mask, cfg: CorrectionConfig, bounds) -> dict[str, float]:
-    """Every key compute_correction returns, by loops."""
+    """Every key compute_correction returns: verl's definitions (``verl_reference``) for the names
+    verl has, loops for flashrl's own."""
     cap = cfg.cap
-    _, kept, w0, raw, opt_keep, opt_stats, factor = ref_correction(train, roll, mask, cfg, bounds)
+    _, kept, w0, raw, *_, factor = ref_correction(train, roll, mask, cfg, bounds)
     B, T = len(mask), len(mask[0]) if mask else 0
     vidx = [(i, t) for i in range(B) for t in range(T) if mask[i][t]]
-    seq_ids = [i for i in range(B) if any(mask[i])]
-    wv = [w0[i][t] for i, t in vidx]
-    w_bar = [min(max(x, 1 / cap), cap) for x in wv]
-    w_seq = [_mean([w0[i][t] for t in range(T) if mask[i][t]]) for i in seq_ids]
-    raw_seq = [_mean([raw[i][t] for t in range(T) if mask[i][t]]) for i in seq_ids]
     band = cfg.band or ((0.5, 5.0) if cfg.weight == "token_mis" else (0.0, cap))
+    metric_band = band if cfg.weight.endswith("mis") else (1 / cap, cap)
+    sums = [sum(train[i][t] - roll[i][t] for t in range(T) if mask[i][t]) for i in range(B)]
     out = ref_mismatch(train, roll, mask, cap)
+    out.update(verl.is_metrics(w0, raw, mask, sums, cfg.weight.startswith("seq"), metric_band, False))
     out.update(
         {
-            "rollout_is_mean": _mean(wv),
-            "rollout_is_std": _pstd(w_bar),
-            "rollout_is_max": max(wv, default=0.0),
-            "rollout_is_min": min(wv, default=0.0),
-            "rollout_is_eff_sample_size": sum(w_bar) ** 2 / (len(w_bar) * sum(x * x for x in w_bar)) if wv else 0.0,
-            "rollout_is_seq_mean": _mean(w_seq),
-            "rollout_is_seq_std": _pstd(w_seq),
-            "rollout_is_seq_max": max(w_seq, default=0.0),
-            "rollout_is_seq_min": min(w_seq, default=0.0),
-            "rollout_is_seq_max_deviation": max((abs(x - 1) for x in w_seq), default=0.0),
-            "rollout_is_seq_fraction_high": _mean([float(x > cap) for x in raw_seq]),
-            "rollout_is_seq_fraction_low": _mean([float(x < 1 / cap) for x in raw_seq]),
             "rollout_is_clipped_fraction": (
                 _mean([float(raw[i][t] > cap) for i, t in vidx]) if cfg.weight.endswith("tis") else 0.0
             ),
@@ -173,21 +144,15 @@ def ref_metrics(train, roll, mask, cfg: CorrectionConfig, bounds) -> dict[str, f
                 else 0.0
             ),
             "rollout_is_batch_norm_factor": factor,
-            "rollout_rs_masked_fraction": _mean([float(not kept[i][t]) for i, t in vidx]),
-            "rollout_rs_seq_masked_fraction": _mean(
-                [float(any(mask[i][t] and not kept[i][t] for t in range(T))) for i in seq_ids]
-            ),
+            "rollout_rs_masked_fraction": 0.0,
+            "rollout_rs_seq_masked_fraction": 0.0,
         }
     )
-    for option in bounds:
-        keep = opt_keep[option]
-        out[f"rollout_rs_{option}_masked_fraction"] = _mean([float(not keep[i][t]) for i, t in vidx])
-        out[f"rollout_rs_{option}_seq_masked_fraction"] = _mean(
-            [float(not all(keep[i][t] for t in range(T) if mask[i][t])) for i in seq_ids]
-        )
-        out[f"rollout_rs_{option}_mean"] = _mean(opt_stats[option])
-        out[f"rollout_rs_{option}_max"] = max(opt_stats[option], default=0.0)
-        out[f"rollout_rs_{option}_min"] = min(opt_stats[option], default=0.0)
+    if cfg.rejection:
+        specs = [f"{lo!r}_{hi!r}" if o.endswith(("k1", "rho")) else hi for o, (lo, hi) in bounds.items()]
+        verl_kept, rs = verl.rejection(train, roll, mask, list(bounds), specs)
+        assert verl_kept == kept  # the loop reference above agrees with verl's rule
+        out.update(rs)
     return out
 
 
@@ -216,7 +181,7 @@ def explicit_bounds(cfg: CorrectionConfig, thresholds: dict) -> dict[str, tuple[
     out = {}
     for option in cfg.rejection:
         spec = thresholds[option]
-        if option.endswith("k1"):
+        if option.endswith(("k1", "rho")):
             out[option] = spec if isinstance(spec, tuple) else (1 / spec, spec)
         else:
             out[option] = (0.0, spec)
@@ -235,6 +200,9 @@ THRESHOLDS = {
     "seq_mean_k3": 0.1,
     "seq_max_k2": 1.0,
     "seq_max_k3": 0.8,
+    "token_rho": (0.6, 1.6),
+    "seq_sum_rho": (0.3, 4.0),
+    "seq_mean_rho": (0.8, 1.3),
 }
 
 
@@ -302,15 +270,16 @@ def test_reference_inputs_exercise_rejection_and_truncation(gen: torch.Generator
     assert 0 < mis["rollout_is_oob_ratio"] < 1
 
 
-def test_asymmetric_k1_band_bounds_rho_not_its_inverse() -> None:
-    """correction.md pitfall 2: verl's k1 rule with (0.6, 1.6) keeps 1/1.6 <= rho <= 1/0.6."""
+def test_asymmetric_rho_band_bounds_rho_not_its_inverse() -> None:
+    """correction.md pitfall 2: verl's k1 rule with (0.6, 1.6) keeps 1/1.6 <= rho <= 1/0.6; the
+    rho options state the band on rho itself (token_k1 follows verl: tests/test_correction_verl.py)."""
     rho = torch.tensor([[0.61, 1.59, 1.65, 0.55]])
     roll = torch.full_like(rho, -2.0)
     corr = compute_correction(
         roll + rho.log(),
         roll,
         torch.ones_like(rho, dtype=torch.bool),
-        CorrectionConfig(rejection=("token_k1",), rejection_thresholds=((0.6, 1.6),)),
+        CorrectionConfig(rejection=("token_rho",), rejection_thresholds=((0.6, 1.6),)),
     )
     assert corr.mask.tolist() == [[True, True, False, False]]
 
@@ -393,7 +362,7 @@ def test_mis_keeps_tokens_in_mask_while_rejection_removes_them(gen: torch.Genera
     train, roll, mask = random_batch(gen)
     mis = compute_correction(train, roll, mask, CorrectionConfig(weight="token_mis", band=(0.7, 1.4)))
     rs = compute_correction(
-        train, roll, mask, CorrectionConfig(rejection=("token_k1",), rejection_thresholds=((0.7, 1.4),))
+        train, roll, mask, CorrectionConfig(rejection=("token_rho",), rejection_thresholds=((0.7, 1.4),))
     )
     zeroed = mask & (mis.weights == 0)
     assert zeroed.any()
@@ -441,9 +410,12 @@ def test_identical_logprobs_are_the_identity(cfg: CorrectionConfig, gen: torch.G
         "rollout_rs_masked_fraction",
         "rollout_rs_seq_masked_fraction",
         "rollout_is_std",
-        "rollout_is_seq_max_deviation",
     ):
         assert m[key] == 0.0, key
+    # verl's per-sequence means run over all rows: the empty row 0 has weight 0, deviation 1
+    assert not mask[0].any() and m["rollout_is_seq_max_deviation"] == 1.0
+    rows = compute_correction(roll[1:].clone(), roll[1:], mask[1:], cfg).metrics
+    assert rows["rollout_is_seq_max_deviation"] == 0.0 and rows["rollout_is_seq_fraction_low"] == 0.0
     for key in (
         "ppl_ratio",
         "rollout_is_eff_sample_size",
@@ -464,7 +436,8 @@ def test_identical_logprobs_are_the_identity(cfg: CorrectionConfig, gen: torch.G
 
 def test_metrics_hand_computed() -> None:
     """Sequence 0: p_train = (1/2, 1/4), p_roll = (1/4, 1/4), so rho = (2, 1). Sequence 1 is padding
-    (with NaN). Sequence 2: one token, rho = 1/4."""
+    (with NaN). Sequence 2: one token, rho = 1/4. Per-sequence means run over all three rows, the
+    empty one counting with log-ppl 0 (ppl 1, sequence ratio 1) and IS weight 0, as in verl."""
     ln = math.log
     train = torch.tensor([[ln(0.5), ln(0.25)], [float("nan"), 0.0], [ln(0.125), 0.0]])
     roll = torch.tensor([[ln(0.25), ln(0.25)], [-1.0, float("nan")], [ln(0.5), 0.0]])
@@ -475,28 +448,29 @@ def test_metrics_hand_computed() -> None:
         "kl": (-ln(2) + 0 + ln(4)) / 3,
         "k3_kl": ((2 - 1 - ln(2)) + 0 + (0.25 - 1 + ln(4))) / 3,
         "chi2_token": (4 + 1 + 1 / 16) / 3 - 1,
-        "chi2_seq": (2**2 + 0.25**2) / 2 - 1,  # sequence ratios 2 and 1/4
-        "training_ppl": (2**1.5 + 8) / 2,  # exp(-mean lp): (2^(3/2), 8)
-        "rollout_ppl": (4 + 2) / 2,
-        "training_log_ppl": (1.5 * ln(2) + ln(8)) / 2,
-        "ppl_ratio": (2**1.5 / 4 + 8 / 2) / 2,  # mean of PPL_train / PPL_roll
-        "log_ppl_diff": (-0.5 * ln(2) + ln(4)) / 2,
+        "chi2_seq": (2**2 + 1 + 0.25**2) / 3 - 1,  # sequence ratios 2, (empty) 1, 1/4
+        "training_ppl": (2**1.5 + 1 + 8) / 3,  # exp(-mean lp): (2^(3/2), 1, 8)
+        "rollout_ppl": (4 + 1 + 2) / 3,
+        "training_log_ppl": (1.5 * ln(2) + 0 + ln(8)) / 3,
+        "ppl_ratio": (2**1.5 / 4 + 1 + 8 / 2) / 3,  # mean of PPL_train / PPL_roll
+        "log_ppl_diff": (-0.5 * ln(2) + 0 + ln(4)) / 3,
         "log_ppl_diff_max": ln(4),
         "log_ppl_diff_min": -0.5 * ln(2),
         "rollout_probs_diff_max": 0.375,
         "rollout_probs_diff_mean": (0.25 + 0 + 0.375) / 3,
+        "rollout_probs_diff_std": math.sqrt(((0.25 - 0.625 / 3) ** 2 + (0.625 / 3) ** 2 + (0.375 - 0.625 / 3) ** 2) / 2),
         "token_mult_prob_error": math.exp((ln(2) + ln(4)) / 3),
         "rollout_is_ratio_fraction_high": 0.0,  # rho = 2 is not > C = 2
         "rollout_is_ratio_fraction_low": 1 / 3,  # rho = 1/4 < 1/2
-        # token TIS weights (2, 1, 1/4); w_bar = clamp(w, 1/2, 2) = (2, 1, 1/2)
+        # token TIS weights (2, 1, 1/4); std and ESS on clamp(w, 0, C) = (2, 1, 1/4)
         "rollout_is_mean": (2 + 1 + 0.25) / 3,
         "rollout_is_max": 2.0,
         "rollout_is_min": 0.25,
-        "rollout_is_eff_sample_size": 3.5**2 / (3 * (4 + 1 + 0.25)),
-        "rollout_is_std": math.sqrt((4 + 1 + 0.25) / 3 - (3.5 / 3) ** 2),
-        "rollout_is_seq_mean": (1.5 + 0.25) / 2,
-        "rollout_is_seq_max_deviation": 0.75,
-        "rollout_is_seq_fraction_low": 0.5,
+        "rollout_is_eff_sample_size": 3.25**2 / (3 * (4 + 1 + 0.0625)),
+        "rollout_is_std": math.sqrt((4 + 1 + 0.0625) / 3 - (3.25 / 3) ** 2),
+        "rollout_is_seq_mean": (1.5 + 0 + 0.25) / 3,  # per-row weights 1.5, 0 (empty), 0.25
+        "rollout_is_seq_max_deviation": 1.0,  # the empty row
+        "rollout_is_seq_fraction_low": 2 / 3,  # raw per-row means 1.5, 0, 0.25 below 1/2
     }
     for key, value in expected.items():
         _close(m[key], value, key, rel=1e-6, abs_=1e-7)

@@ -147,11 +147,28 @@ class Valid:
     def min(self, x: torch.Tensor) -> torch.Tensor:
         return masked_min(x, self.mask)
 
+    def sample_std(self, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        """Unbiased std over valid tokens (``torch.std``), given their mean; 0 for fewer than 2."""
+        count = self.mask.count_nonzero()
+        ss = (x - mean).mul_(self.maskf).square_().sum()
+        return torch.where(count > 1, ss / (count - 1).clamp_min(1), 0.0).sqrt()
+
+    # Per row ([B] values; a row without valid tokens counts as 0, verl's ``masked_mean``)
+
+    def row_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B]`` mean of each row's valid tokens (x is 0 on padding); 0 for an empty row."""
+        return x.sum(-1) / self.n.clamp_min(1.0)
+
+    # Over the rows with a valid token ("valid sequences")
+
     def seq_mean(self, values: torch.Tensor) -> torch.Tensor:
         return torch.where(self.seq, values, 0.0).sum() / self.n_seqs
 
     def seq_std(self, values: torch.Tensor) -> torch.Tensor:
-        return self.seq_mean((values - self.seq_mean(values)).square()).sqrt()
+        """Unbiased std over valid sequences (``torch.std``); 0 for fewer than 2."""
+        count = self.seq.count_nonzero()
+        ss = torch.where(self.seq, values - self.seq_mean(values), 0.0).square().sum()
+        return torch.where(count > 1, ss / (count - 1).clamp_min(1), 0.0).sqrt()
 
     def seq_frac(self, cond: torch.Tensor) -> torch.Tensor:
         return (cond & self.seq).count_nonzero() / self.n_seqs
@@ -161,6 +178,26 @@ class Valid:
 
     def seq_min(self, values: torch.Tensor) -> torch.Tensor:
         return masked_min(values, self.seq)
+
+    # Over all rows, empty ones included (verl's per-sequence metrics); 0 for a batch without rows
+
+    def rows_mean(self, values: torch.Tensor) -> torch.Tensor:
+        return values.sum() / max(values.numel(), 1)
+
+    def rows_std(self, values: torch.Tensor) -> torch.Tensor:
+        """Unbiased std over all rows (``torch.std``); 0 for fewer than 2."""
+        if values.numel() < 2:
+            return values.new_zeros(())
+        return values.std()
+
+    def rows_frac(self, cond: torch.Tensor) -> torch.Tensor:
+        return cond.count_nonzero() / max(cond.numel(), 1)
+
+    def rows_max(self, values: torch.Tensor) -> torch.Tensor:
+        return values.amax() if values.numel() else values.new_zeros(())
+
+    def rows_min(self, values: torch.Tensor) -> torch.Tensor:
+        return values.amin() if values.numel() else values.new_zeros(())
 
 
 def to_floats(metrics: Mapping[str, torch.Tensor | float]) -> dict[str, float]:

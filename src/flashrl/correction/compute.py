@@ -83,8 +83,9 @@ def compute_correction(
     )
     r = LogRatio.build(lp_train, lp_roll, Valid.of(mask), config.log_ratio_clamp)
     weights, raw, affected = corr_weights.is_weights(r, config)
-    metrics = corr_metrics.mismatch(lp_train, lp_roll, r, config.cap)
-    metrics.update(corr_metrics.weight_metrics(weights, raw, affected, r, config))
+    metrics = corr_metrics.mismatch(lp_train, lp_roll, r)
+    band = corr_weights.metric_band(config)
+    metrics.update(corr_metrics.weight_metrics(weights, raw, affected, r, config, band))
 
     kept, rs_metrics = corr_weights.rejection(r, config)
     if config.rejection:
@@ -154,4 +155,6 @@ def mismatch_metrics(
     lp_train = valid_float("trainer_logprobs", trainer_logprobs, mask)
     lp_roll = valid_float("rollout_logprobs", rollout_logprobs, mask)
     r = LogRatio.build(lp_train, lp_roll, Valid.of(mask), LOG_RATIO_CLAMP)
-    return to_floats(corr_metrics.mismatch(lp_train, lp_roll, r, float(cap)))
+    metrics = corr_metrics.mismatch(lp_train, lp_roll, r)
+    metrics.update(corr_metrics.ratio_fractions(r, False, (1.0 / cap, float(cap))))
+    return to_floats(metrics)

@@ -39,14 +39,17 @@ class CorrectionConfig:
             IS weights are then computed for metrics only, never multiplied into a PPO-clip loss).
         weight: ``"none" | "token_tis" | "token_mis" | "seq_tis" | "seq_mis"``.
         cap: C for the ``*_tis`` weights, the upper bound of ``seq_mis`` when no band is given, and
-            the diagnostic band ``[1/C, C]`` of the ``rollout_is_*`` metrics. Must be >= 1.
+            the diagnostic band ``[1/C, C]`` of the ``rollout_is_*`` metrics (a ``*_mis`` weight
+            uses its band there, as verl does). Must be >= 1.
         band: ``(lo, hi)`` on rho for ``token_mis`` / ``seq_mis``; None means ``ICEPOP_BAND`` for
             ``token_mis`` and ``(0, cap)`` for ``seq_mis``. Other weights reject a band.
-        rejection: verl ``rollout_rs`` option names (``REJECTION_OPTIONS``), AND-combined.
+        rejection: verl ``rollout_rs`` option names, plus flashrl's ``token_rho``, ``seq_sum_rho``,
+            ``seq_mean_rho`` (``REJECTION_OPTIONS``), AND-combined.
         rejection_thresholds: one entry per option, or one entry broadcast to all, or empty for the
-            defaults (``DEFAULT_REJECTION_THRESHOLDS``, and ``(1/cap, cap)`` for ``token_k1``). A k1
-            option takes ``(lo, hi)`` on rho, or a bare ``hi`` meaning ``(1/hi, hi)``; k2 and k3
-            options take an upper bound.
+            defaults (``DEFAULT_REJECTION_THRESHOLDS``, and ``(1/cap, cap)`` for ``token_k1`` and
+            ``token_rho``). A k1 option takes ``(lo, hi)`` bounds on ``exp(k1) = 1/rho`` (verl's
+            rule), a rho option the same bounds on rho itself; a bare ``x`` means ``(1/x, x)``
+            (the same band either way). k2 and k3 options take an upper bound.
         batch_normalize: divide the weights by their mean over kept tokens (decoupled mode only).
         log_ratio_clamp: log-ratios are clamped to +-this before ``exp``.
 
@@ -151,8 +154,8 @@ class CorrectionConfig:
         self.rejection_bounds()  # validates every threshold
 
     def rejection_bounds(self) -> dict[str, tuple[float, float]]:
-        """Resolved threshold per rejection option: ``(lo, hi)`` on rho for k1 options, ``(0, hi)``
-        on the statistic for k2/k3 options."""
+        """Resolved threshold per rejection option: ``(lo, hi)`` on ``exp(k1)`` for k1 options and
+        on rho for rho options, ``(0, hi)`` on the statistic for k2/k3 options."""
         thresholds = self.rejection_thresholds
         if len(thresholds) == 1:
             thresholds = thresholds * len(self.rejection)
@@ -160,7 +163,7 @@ class CorrectionConfig:
         for i, option in enumerate(self.rejection):
             if thresholds:
                 spec = thresholds[i]
-            elif option == "token_k1":
+            elif option in ("token_k1", "token_rho"):
                 spec = (1.0 / self.cap, self.cap)
             elif option in DEFAULT_REJECTION_THRESHOLDS:
                 spec = DEFAULT_REJECTION_THRESHOLDS[option]
@@ -169,7 +172,8 @@ class CorrectionConfig:
                     "rejection_thresholds",
                     (),
                     f"explicit thresholds: {option!r} has no default "
-                    f"(defaults exist for token_k1, {', '.join(DEFAULT_REJECTION_THRESHOLDS)})",
+                    "(defaults exist for token_k1, token_rho, "
+                    f"{', '.join(DEFAULT_REJECTION_THRESHOLDS)})",
                 )
             bounds[option] = resolve_threshold(option, spec)
         return bounds

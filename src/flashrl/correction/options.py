@@ -20,6 +20,7 @@ __all__ = [
     "REJECTION_OPTIONS",
     "WEIGHTS",
     "Threshold",
+    "BAND_KINDS",
     "as_pair",
     "check_band",
     "fail",
@@ -27,6 +28,7 @@ __all__ = [
     "parse_float",
     "parse_threshold",
     "resolve_threshold",
+    "split_option",
 ]
 
 MODES = ("decoupled", "bypass")
@@ -43,7 +45,16 @@ REJECTION_OPTIONS = (
     "seq_mean_k3",
     "seq_max_k2",
     "seq_max_k3",
+    "token_rho",
+    "seq_sum_rho",
+    "seq_mean_rho",
 )
+"""verl's ``rollout_rs`` options (``SUPPORTED_ROLLOUT_RS_OPTIONS``), then flashrl's ``*_rho``
+options: the k1 rejection with its ``(lo, hi)`` bounds on rho = pi_train / pi_roll instead of
+verl's ``exp(k1) = 1 / rho``."""
+
+BAND_KINDS = ("k1", "rho")
+"""Statistics whose threshold is a ``(lo, hi)`` band (the others take an upper bound)."""
 
 ICEPOP_BAND = (0.5, 5.0)
 """Default ``band`` of ``token_mis`` (IcePop paper, OpenRLHF)."""
@@ -52,9 +63,11 @@ DEFAULT_REJECTION_THRESHOLDS: dict[str, float | tuple[float, float]] = {
     "seq_sum_k1": (0.5, 2.0),  # Seq-MIS, verl preset decoupled_seq_is_rs
     "seq_mean_k1": (0.999, 1.001),  # Geo-RS, verl presets: +-0.1% per-token geometric drift
     "seq_mean_k3": 0.01,  # verl K3 rejection
+    "seq_sum_rho": (0.5, 2.0),
+    "seq_mean_rho": (0.999, 1.001),
 }
-"""Thresholds used when ``rejection_thresholds`` is empty. ``token_k1`` defaults to
-``(1/cap, cap)``; the other options have no documented default and need explicit thresholds."""
+"""Thresholds used when ``rejection_thresholds`` is empty. ``token_k1`` and ``token_rho`` default
+to ``(1/cap, cap)``; the other options have no documented default and need explicit thresholds."""
 
 Threshold = float | tuple[float, float]
 
@@ -72,10 +85,16 @@ def as_pair(name: str, value: Any) -> tuple[float, float]:
     return float(value[0]), float(value[1])
 
 
-def check_band(name: str, band: tuple[float, float]) -> None:
+def split_option(option: str) -> tuple[str, str]:
+    """``"seq_mean_k1"`` -> ``("seq_mean", "k1")``: the level and the statistic of an option."""
+    level, kind = option.rsplit("_", 1)
+    return level, kind
+
+
+def check_band(name: str, band: tuple[float, float], on: str = "rho = pi_train / pi_roll") -> None:
     lo, hi = band
     if not (0.0 <= lo < hi):
-        fail(name, band, "0 <= lo < hi (bounds on rho = pi_train / pi_roll)")
+        fail(name, band, f"0 <= lo < hi (bounds on {on})")
     if not (lo <= 1.0 <= hi):
         fail(
             name,
@@ -105,19 +124,20 @@ def parse_threshold(key: str, value: Any) -> Threshold:
 
 
 def resolve_threshold(option: str, spec: Any) -> tuple[float, float]:
+    """The ``(lo, hi)`` bounds of one rejection option: a band for k1 (on ``exp(k1) = 1/rho``, as in
+    verl) and rho options (on rho), where a bare ``x`` means ``(1/x, x)``; ``(0, hi)`` on the
+    statistic for k2 and k3 options."""
     name = f"rejection_thresholds[{option}]"
-    if option.endswith("k1"):
+    kind = split_option(option)[1]
+    if kind in BAND_KINDS:
         if is_number(spec):
             spec = (1.0 / spec, float(spec)) if spec > 0 else (float(spec), float(spec))
         bounds = as_pair(name, spec)
-        check_band(name, bounds)
+        on = "rho = pi_train / pi_roll" if kind == "rho" else "exp(k1) = pi_roll / pi_train"
+        check_band(name, bounds, on)
         return bounds
     if not (is_number(spec) and spec > 0):
-        fail(
-            name,
-            spec,
-            f"a single upper bound > 0 for the {option[-2:]} statistic (no (lo, hi) pair)",
-        )
+        fail(name, spec, f"a single upper bound > 0 for the {kind} statistic (no (lo, hi) pair)")
     return (0.0, float(spec))
 
 

@@ -10,11 +10,20 @@ import math
 
 import torch
 
+from flashrl.correction import metrics as corr_metrics
 from flashrl.correction.config import CorrectionConfig
-from flashrl.correction.options import ICEPOP_BAND
+from flashrl.correction.options import BAND_KINDS, ICEPOP_BAND, split_option
 from flashrl.correction.ratios import LogRatio
 
-__all__ = ["batch_normalize", "is_weights", "log_or_neg_inf", "rejection", "resolved_band"]
+__all__ = [
+    "batch_normalize",
+    "is_weights",
+    "log_or_neg_inf",
+    "metric_band",
+    "rejection",
+    "resolved_band",
+    "stat_thresholds",
+]
 
 
 def log_or_neg_inf(x: float) -> float:
@@ -49,16 +58,20 @@ def is_weights(
     return torch.where(inside, raw, 0.0), raw, ~inside & v.mask
 
 
-def _passes(stat: torch.Tensor, kind: str, lo: float, hi: float) -> torch.Tensor:
-    if kind == "k1":  # bounds on rho = exp(-k1): lo <= exp(-k1) <= hi
-        return (stat <= -log_or_neg_inf(lo)) & (stat >= -log_or_neg_inf(hi))
-    return stat <= hi
+def metric_band(config: CorrectionConfig) -> tuple[float, float]:
+    """The ``(lo, hi)`` thresholds of the ``rollout_is_*`` metrics: the band of a ``*_mis`` weight,
+    ``(1/C, C)`` otherwise (verl ``compute_is_metrics``: the ``"lo_hi"`` threshold, or ``1/C``)."""
+    if config.weight.endswith("mis"):
+        return resolved_band(config)
+    return 1.0 / config.cap, config.cap
 
 
 def _token_stat(r: LogRatio, kind: str) -> torch.Tensor:
-    """The per-token statistic (0 on padding); the sign convention is verl's: k1 = -log rho."""
+    """The per-token statistic, 0 on padding; verl's sign convention: k1 = -log rho."""
     if kind == "k1":
         return -r.ell
+    if kind == "rho":
+        return r.ell
     if kind == "k2":
         return 0.5 * r.ell.square()
     return r.k3
@@ -73,41 +86,49 @@ def _seq_stat(stat: torch.Tensor, level: str, n: torch.Tensor) -> torch.Tensor:
     return stat.amax(-1) if stat.shape[-1] else stat.new_zeros(stat.shape[:-1])
 
 
+def stat_thresholds(kind: str, lo: float, hi: float) -> tuple[float, float]:
+    """``(lower, upper)`` on the statistic itself: ``log`` of a band for k1 and rho, ``(0, hi)``
+    for k2 and k3 (verl ``compute_rollout_rejection_mask``)."""
+    if kind in BAND_KINDS:
+        return log_or_neg_inf(lo), log_or_neg_inf(hi)
+    return 0.0, hi
+
+
 def rejection(
     r: LogRatio, config: CorrectionConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
-    """The response mask with rejected tokens removed, and the rejection metrics."""
+    """The response mask with rejected tokens removed, and the rejection metrics.
+
+    An option keeps a token (or, at a ``seq_*`` level, every token of a sequence) when its
+    statistic lies in ``[lower, upper]`` of ``stat_thresholds`` (k2, k3: ``<= upper``). For k1
+    that is ``log(lo) <= -log rho <= log(hi)``, i.e. ``1/hi <= rho <= 1/lo``, verl's rule; for rho
+    options ``lo <= rho <= hi``.
+    """
     v = r.valid
     if not config.rejection:
         return v.mask, {"rollout_rs_masked_fraction": 0.0, "rollout_rs_seq_masked_fraction": 0.0}
-    kept, seq_kept = v.mask, torch.ones_like(v.seq)
+    kept = v.mask
     metrics: dict[str, torch.Tensor | float] = {}
     for option, (lo, hi) in config.rejection_bounds().items():
-        level, kind = option.rsplit("_", 1)
-        stat = _token_stat(r, kind)
-        prefix = f"rollout_rs_{option}"
-        if level == "token":
-            rejected = ~_passes(stat, kind, lo, hi) & v.mask
-            kept = kept & ~rejected
-            metrics[f"{prefix}_masked_fraction"] = v.frac(rejected)
-            metrics[f"{prefix}_seq_masked_fraction"] = v.seq_frac(rejected.any(-1))
-            metrics[f"{prefix}_mean"] = v.mean(stat)
-            metrics[f"{prefix}_max"] = v.max(stat)
-            metrics[f"{prefix}_min"] = v.min(stat)
-            continue
-        stat = _seq_stat(stat, level, v.n)
-        failed = ~_passes(stat, kind, lo, hi) & v.seq
-        seq_kept = seq_kept & ~failed
-        metrics[f"{prefix}_masked_fraction"] = (v.n * failed).sum() / v.n_tokens
-        metrics[f"{prefix}_seq_masked_fraction"] = v.seq_frac(failed)
-        metrics[f"{prefix}_mean"] = v.seq_mean(stat)
-        metrics[f"{prefix}_max"] = v.seq_max(stat)
-        metrics[f"{prefix}_min"] = v.seq_min(stat)
-    kept = kept & seq_kept.unsqueeze(-1)
+        level, kind = split_option(option)
+        token_stat = _token_stat(r, kind)
+        seq_stat = None if level == "token" else _seq_stat(token_stat, level, v.n)
+        lower, upper = stat_thresholds(kind, lo, hi)
+        stat = token_stat if seq_stat is None else seq_stat
+        keep = stat <= upper
+        if kind in BAND_KINDS:
+            keep &= stat >= lower
+        option_kept = (keep if seq_stat is None else keep.unsqueeze(-1)) & v.mask
+        kept = kept & option_kept
+        metrics.update(
+            corr_metrics.rejection_option(
+                option, token_stat, seq_stat, option_kept, v, (lower, upper), kind in BAND_KINDS
+            )
+        )
     kept_n = kept.count_nonzero(-1)
     summary = {
         "rollout_rs_masked_fraction": (v.n - kept_n).sum() / v.n_tokens,
-        "rollout_rs_seq_masked_fraction": v.seq_frac(kept_n < v.n),
+        "rollout_rs_seq_masked_fraction": v.rows_frac(kept_n < v.n),  # over all rows, as verl
     }
     return kept, {**summary, **metrics}
 

@@ -81,7 +81,7 @@ def ppo_clip_loss(
         clip_low, clip_high, dual_clip, aggregation, loss_scale_denominator, max_length
     )
     x = _LossInputs.build(logprobs, old_logprobs, advantages, response_mask, is_weights)
-    ratio = torch.exp((x.lp - x.lp_old).clamp(-log_ratio_clamp, log_ratio_clamp))
+    ratio = torch.exp(log_ratio := (x.lp - x.lp_old).clamp(-log_ratio_clamp, log_ratio_clamp))
     unclipped = -x.adv * ratio
     clipped = -x.adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
@@ -91,7 +91,7 @@ def ppo_clip_loss(
     weighted = dual if x.w is None else dual * x.w
     loss = aggregate(weighted, x.valid, aggregation, loss_scale_denominator, max_length)
 
-    stats = _stats(x, ratio, (unclipped, clipped, per_token, dual), clip_low, clip_high)
+    stats = _stats(x, log_ratio, (unclipped, clipped, per_token, dual), clip_low, clip_high)
     stats["pg_loss"] = loss.detach()
     return loss, to_floats(stats)
 
@@ -99,7 +99,7 @@ def ppo_clip_loss(
 @torch.no_grad()
 def _stats(
     x: _LossInputs,
-    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
     losses: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     clip_low: float,
     clip_high: float,
@@ -107,15 +107,16 @@ def _stats(
     """The ``ppo_clip_loss`` statistics over valid tokens: ``pg_clipfrac`` (the clip was active),
     ``pg_clipfrac_high`` (``r > 1 + clip_high`` with ``A > 0``), ``pg_clipfrac_low``
     (``r < 1 - clip_low`` with ``A < 0``), ``pg_clipfrac_dual`` (dual clip active), ``ppo_kl``
-    (``mean(old_logprobs - logprobs)``), ``ratio_mean/max/min``, ``is_weight_mean``."""
-    v, ratio = x.valid, ratio.detach()
+    (``mean(-clamp(logprobs - old_logprobs))``), ``ratio_mean/max/min``, ``is_weight_mean``."""
+    v, log_ratio = x.valid, log_ratio.detach()
+    ratio = log_ratio.exp()
     unclipped, clipped, per_token, dual = (t.detach() for t in losses)
     return {
         "pg_clipfrac": v.frac(clipped > unclipped),  # False on padding (A = 0)
         "pg_clipfrac_high": v.frac((ratio > 1.0 + clip_high) & (x.adv > 0)),
         "pg_clipfrac_low": v.frac((ratio < 1.0 - clip_low) & (x.adv < 0)),
         "pg_clipfrac_dual": v.frac(dual < per_token),  # 0 without dual clip (dual is per_token)
-        "ppo_kl": v.mean(x.lp_old - x.lp.detach()),
+        "ppo_kl": -v.mean(log_ratio),  # clamped, as verl's compute_policy_loss_vanilla
         "ratio_mean": v.masked_mean(ratio),  # the ratio is 1 on padding
         "ratio_max": v.max(ratio),
         "ratio_min": v.min(ratio),
