@@ -19,7 +19,7 @@ import flashrl.engine
 import flashrl.profile
 import flashrl.verify
 from flashrl.cli import UserError, main
-from flashrl.config import ENV_VARS
+from flashrl.core.env import ENV_VARS
 from flashrl.errors import CheckpointError, ConfigError, FlashRLError, InputError, UnsupportedError, WeightError
 
 
@@ -196,7 +196,7 @@ def test_outputs_are_written_atomically(tmp_path, monkeypatch, capsys):
     """A write that fails (here: a full disk at the rename) leaves the previous output intact and no
     temporary file behind, and is one line naming the file."""
     from flashrl import fileio
-    from flashrl.config import RolloutConfig
+    from flashrl.core.config import RolloutConfig
 
     profile = minimal_profile(tmp_path / "p.json")
     out = tmp_path / "flashrl.yaml"
@@ -363,7 +363,7 @@ def test_device_names_are_checked(capsys, monkeypatch):
     ("FLASHRL_QUANT_KERNELS", "cuda"),
 ])
 def test_bad_environment_variables_are_config_errors(name, value, monkeypatch, capsys, tmp_path):
-    from flashrl.config import configure_logging, from_env
+    from flashrl.core.env import configure_logging, from_env
     from flashrl.quant.kernels import get_mode
 
     monkeypatch.chdir(tmp_path)

@@ -11,14 +11,8 @@ import sys
 import pytest
 import torch
 
-from flashrl.config import (
-    ENV_VARS,
-    RolloutConfig,
-    configure_logging,
-    from_env,
-    parse_bool,
-    resolve_config,
-)
+from flashrl.core.config import SCHEME_NAMES, RolloutConfig, resolve_config
+from flashrl.core.env import ENV_VARS, configure_logging, from_env, parse_bool
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.quant.schemes import SCHEMES
 
@@ -40,6 +34,14 @@ def test_defaults():
     c = RolloutConfig()
     assert (c.quant, c.skip, c.kv_cache_dtype, c.kv_scale, c.lm_head_fp32, c.logprobs_mode) == (
         "bf16", DEFAULT_SKIP, "bf16", "calibrated", False, "processed")
+
+
+def test_core_vocabulary_is_the_quantization_packages():
+    """flashrl.core names the schemes without importing flashrl.quant: the names must agree, and a
+    QuantScheme or any case is accepted as before."""
+    assert SCHEME_NAMES == tuple(SCHEMES)
+    assert RolloutConfig(quant=SCHEMES["fp8_block"]).quant == "fp8_block"
+    assert RolloutConfig(quant=" INT8 ").quant == "int8"
 
 
 @pytest.mark.parametrize(

@@ -104,8 +104,7 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny_models, gen):
 def test_seeded_tokens_follow_each_requests_uniform_stream(tiny_models, gen):
     """Token t of request (i, j) is the inverse-CDF sample at uniform t of its own stream: the first
     `max_tokens` float64 draws of a generator seeded with stream_seed(seed, i, j)."""
-    from flashrl.engine.engine import stream_seed
-    from flashrl.engine.sampler import sample
+    from flashrl.engine.sampler import sample, stream_seed
 
     e = engine(tiny_models("qwen2"), max_batch=3)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, n=2, seed=21, ignore_eos=True)
@@ -388,7 +387,8 @@ def reference_attention(q, k, v, mask):
 def test_attend_equals_float64_reference(heads, kv_heads, dtype, tol, gen):
     """Decode (grouped form) over strided cache slices with per-row lengths, a padding row that sees
     key 0 only and a sliding window; prefill (causal). bf16 tolerance: output rounding (2^-8 relative)."""
-    from flashrl.engine.model import attend, attention_mask
+    from flashrl.model.batch import attention_mask
+    from flashrl.model.decoder import attend
 
     b, d, max_len, s = 5, 32, 40, 24
     cache_k, cache_v = (torch.randn(b + 2, kv_heads, max_len, d, generator=gen).to(dtype) for _ in range(2))

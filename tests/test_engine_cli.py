@@ -11,7 +11,7 @@ import json
 import pytest
 
 from flashrl.cli import main
-from flashrl.config import ENV_VARS
+from flashrl.core.env import ENV_VARS
 from flashrl.engine import Engine
 
 PROMPTS = ("5,9,17,33", "40,41")

@@ -29,10 +29,10 @@ import torch
 from torch._dynamo.utils import counters
 
 import flashrl.engine.decode as decode_module
-import flashrl.engine.model as model_module
+import flashrl.model.decoder as model_module
 from flashrl.engine import Engine, SamplingParams
 from flashrl.engine.decode import DecodeStep, batch_bucket, batch_buckets, kv_bucket
-from flashrl.engine.model import ForwardBatch
+from flashrl.model.batch import ForwardBatch
 
 HAS_CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -238,7 +238,7 @@ def new_weights(e: Engine, gen, std: float = 0.1) -> list[tuple[str, torch.Tenso
     """A fresh random value for every checkpoint tensor of `e` (norms near 1), as a trainer would push."""
     out = []
     for name in sorted(e.weights.expected):
-        shape = e.weights._expected_shape(e.weights.resolve(name)[0])
+        shape = e.weights.shape_of(name)
         noise = torch.randn(shape, generator=gen) * std
         out.append((name, 1 + noise if name.endswith("norm.weight") else noise))
     return out

@@ -40,7 +40,7 @@ def good_tensors(e: Engine, gen: torch.Generator) -> list[tuple[str, torch.Tenso
              "model.embed_tokens.weight"]
     out = []
     for name in (n for n in names if n in e.weights.expected):
-        shape = e.weights._expected_shape(e.weights.resolve(name)[0])
+        shape = e.weights.shape_of(name)
         out.append((name, torch.randn(shape, generator=gen) * 0.05 + (1.0 if "norm" in name else 0.0)))
     return out
 
@@ -48,7 +48,7 @@ def good_tensors(e: Engine, gen: torch.Generator) -> list[tuple[str, torch.Tenso
 def bad_tensors(e: Engine) -> list[tuple[str, str, torch.Tensor]]:
     """(what is wrong, name, tensor): each must be refused with an error naming `name`."""
     def shape(name):
-        return e.weights._expected_shape(e.weights.resolve(name)[0])
+        return e.weights.shape_of(name)
 
     def poisoned(name, value):
         t = torch.randn(shape(name)) * 0.05

@@ -33,7 +33,7 @@ import transformers
 
 from flashrl.engine import Engine, SamplingParams
 from flashrl.engine.kv_cache import KVCache
-from flashrl.engine.kv_calibration import (
+from flashrl.model.kv_calibration import (
     KV_MARGIN,
     RecentSequences,
     calibrate_from_weights,
@@ -43,7 +43,7 @@ from flashrl.engine.kv_calibration import (
     rope_pair_amax,
     scales_from_amax,
 )
-from flashrl.engine.model_config import ModelConfig
+from flashrl.model.config import ModelConfig
 from flashrl.errors import CheckpointError
 
 FP8 = torch.float8_e4m3fn
@@ -337,7 +337,7 @@ def test_calibration_set_order_and_budget():
 
 def test_rope_pair_amax_bounds_every_position():
     """The K statistic bounds the element amax of the same keys rotated to any position."""
-    from flashrl.engine.model import Rotary
+    from flashrl.model.decoder import Rotary
 
     config = ModelConfig.from_dict(dict(architectures=["Qwen2ForCausalLM"], vocab_size=8, hidden_size=64,
                                         intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
@@ -449,7 +449,7 @@ def test_bad_kv_options(tiny_models):
 
 def test_engine_reads_kv_fields_from_the_rollout_config(tiny_models, tmp_path):
     """The RolloutConfig fields are honoured (they were ignored before), and explicit args win."""
-    from flashrl.config import RolloutConfig
+    from flashrl.core.config import RolloutConfig
 
     path = tiny_models("qwen2")
     config = RolloutConfig(quant="int8", kv_cache_dtype="fp8", kv_scale="dynamic")

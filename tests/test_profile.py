@@ -20,8 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flashrl.cli import main
-from flashrl.config import RolloutConfig, from_env, resolve_config
-from flashrl.engine.engine import Engine
+from flashrl.core.config import RolloutConfig, resolve_config
+from flashrl.core.env import from_env
+from flashrl.engine import Engine
 from flashrl.profile import (
     DEFAULT_THRESHOLD,
     SCHEMA_VERSION,

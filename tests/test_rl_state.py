@@ -289,7 +289,7 @@ def test_compare_refuses_duplicates(policy_dir, tmp_path):
 ])
 def test_train_validates_flashrl_env(policy_dir, tmp_path, monkeypatch, capsys, name, value, match):
     from flashrl.cli import main
-    from flashrl.config import from_env
+    from flashrl.core.env import from_env
     from flashrl.rl.run import run
 
     monkeypatch.setenv(name, value)

@@ -186,7 +186,7 @@ def test_tiny_preset_reward_rises(tmp_path, monkeypatch):
 
 
 def test_rollout_config_file_supplies_the_scheme(tmp_path):
-    from flashrl.config import RolloutConfig
+    from flashrl.core.config import RolloutConfig
 
     path = RolloutConfig(quant="fp8_channel", skip=("lm_head", "*.down_proj")).to_yaml(tmp_path / "flashrl.yaml")
     assert build_config("tiny-cpu", None, {"rollout_config": str(path)}).rollout_quant == "fp8_channel"

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from flashrl.engine import sampler as sampler_module
-from flashrl.engine.sampler import SamplingParams, process_logits, replay_processed_logprobs, sample
+from flashrl.core import sampling as sampler_module
+from flashrl.core.sampling import SamplingParams, process_logits, replay_processed_logprobs
+from flashrl.engine.sampler import sample
 
 
 def reference_processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -105,7 +105,7 @@ def test_reload_that_replaces_storage_fails(monkeypatch):
 
 def test_wrong_logprobs_fail(monkeypatch):
     """A sampler whose returned logprobs are off by 1e-3 nats fails the logprobs row."""
-    import flashrl.engine.engine as engine_module
+    import flashrl.engine.sampler as engine_module
 
     original = engine_module.sample
 
@@ -166,7 +166,7 @@ def test_vllm_row_skips_when_vllm_is_missing(monkeypatch, tmp_path):
 def test_reference_logprobs_agree_with_the_samplers_replay(gen):
     """The verify reference (float64, full sort) and the engine's replay (fp32, candidate top-p)
     are independent implementations of the same rule: they agree to fp32 precision."""
-    from flashrl.engine.sampler import replay_processed_logprobs
+    from flashrl.core.sampling import replay_processed_logprobs
 
     logits = torch.randn(64, 300, generator=gen) * 3
     tokens = torch.multinomial((logits / 0.7).softmax(-1), 1, generator=gen)[:, 0]  # mostly inside the nucleus

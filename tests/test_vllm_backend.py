@@ -20,10 +20,10 @@ from flashrl.vllm_backend.testing import apply_test_env  # noqa: E402
 
 apply_test_env()  # in-process engines, 1 GiB KV cache, no FLASHRL_CONFIG from the caller
 
-from flashrl.config import RolloutConfig  # noqa: E402
-from flashrl.engine.sampler import SamplingParams  # noqa: E402
+from flashrl.core.config import RolloutConfig  # noqa: E402
+from flashrl.core.rollout import BACKEND_STATS_KEYS, Rollout, RolloutBackend  # noqa: E402
+from flashrl.core.sampling import SamplingParams  # noqa: E402
 from flashrl.quant.linear import QuantLinear  # noqa: E402
-from flashrl.rollout import Rollout, RolloutBackend  # noqa: E402
 from flashrl.vllm_backend import METHOD_NAMES, WeightSync, engine_kwargs  # noqa: E402
 from flashrl.vllm_backend.testing import load_state_dict, save_perturbed_copy, save_tiny_vllm_model  # noqa: E402
 from flashrl.vllm_backend.kernels import kernel_name  # noqa: E402
@@ -275,7 +275,8 @@ def test_backend_implements_rollout_protocol(checkpoints):
         assert backend.generate(["abc"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].response_ids \
             != greedy[0].response_ids
         stats = backend.stats()
-        assert stats["rollouts"] == 9 and stats["weight_updates"] == 1 and stats["tokens_generated"] > 0
+        assert stats["sequences"] == 9 and stats["weight_updates"] == 1 and stats["generated_tokens"] > 0
+        assert set(BACKEND_STATS_KEYS) <= stats.keys()  # the stats schema every backend fills
 
 
 # ------------------------------------------------------------------------------------------------

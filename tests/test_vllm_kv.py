@@ -27,10 +27,10 @@ apply_test_env()  # in-process engines, 1 GiB KV cache, no FLASHRL_CONFIG from t
 
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-from flashrl.config import RolloutConfig  # noqa: E402
+from flashrl.core.config import RolloutConfig  # noqa: E402
 from flashrl.engine import Engine, SamplingParams  # noqa: E402
-from flashrl.engine.kv_calibration import calibrate_from_weights, checkpoint_getter, fallback_sequences  # noqa: E402
-from flashrl.engine.model_config import ModelConfig  # noqa: E402
+from flashrl.model.kv_calibration import calibrate_from_weights, checkpoint_getter, fallback_sequences  # noqa: E402
+from flashrl.model.config import ModelConfig  # noqa: E402
 from flashrl.vllm_backend import VLLMBackend, WeightSync, engine_kwargs  # noqa: E402
 from flashrl.vllm_backend.testing import load_state_dict, save_tiny_vllm_model  # noqa: E402
 

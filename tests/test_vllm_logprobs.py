@@ -1,6 +1,6 @@
 """Cross-engine agreement of rollout logprobs: vLLM's processed logprobs for the sequences it
 sampled versus a `transformers` fp32 recomputation (and flashrl's built-in engine) that replays
-the same temperature / top-k / top-p (`flashrl.engine.sampler.replay_processed_logprobs`).
+the same temperature / top-k / top-p (`flashrl.core.sampling.replay_processed_logprobs`).
 
 Two settings:
 
@@ -27,7 +27,7 @@ from flashrl.vllm_backend.testing import apply_test_env  # noqa: E402
 
 apply_test_env()  # in-process engines, 1 GiB KV cache, no FLASHRL_CONFIG from the caller
 
-from flashrl.engine.sampler import replay_processed_logprobs  # noqa: E402
+from flashrl.core.sampling import replay_processed_logprobs  # noqa: E402
 from flashrl.quant import quantize_  # noqa: E402
 from flashrl.vllm_backend import engine_kwargs  # noqa: E402
 from flashrl.vllm_backend.testing import save_tiny_vllm_model  # noqa: E402

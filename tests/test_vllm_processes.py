@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
-from flashrl.config import RolloutConfig  # noqa: E402
+from flashrl.core.config import RolloutConfig  # noqa: E402
 from flashrl.vllm_backend.testing import save_perturbed_copy, save_tiny_vllm_model  # noqa: E402
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from flashrl.engine.engine import Engine, peak_memory_bytes, resolve_dtype
-from flashrl.engine.model_config import ModelConfig
+from flashrl.model.config import ModelConfig
 from flashrl.engine.sampler import SamplingParams
 from flashrl.errors import ConfigError, InputError
 from flashrl.quant.schemes import parse_scheme_list

@@ -81,8 +81,8 @@ import flashrl
 from flashrl.calibration_prompts import CALIBRATION_PROMPTS
 from flashrl.config import KV_CACHE_DTYPES, RolloutConfig
 from flashrl.correction import mismatch_metrics
-from flashrl.engine.model import GATE_UP_SHARDS, QKV_SHARDS
-from flashrl.engine.model_config import ModelConfig
+from flashrl.model.decoder import GATE_UP_SHARDS, QKV_SHARDS
+from flashrl.model.config import ModelConfig
 from flashrl.engine.sampler import SamplingParams
 from flashrl.errors import ConfigError, InputError, UnsupportedError
 from flashrl.fileio import atomic_write_text
@@ -258,7 +258,7 @@ def layer_errors(engine, sequences: list[list[int]], schemes: Sequence[str]) -> 
     """Per checkpoint tensor: weight and output errors of every scheme on the inputs the bf16
     `engine` sees over `sequences` (one batched no-cache forward, right-padded; padding rows are
     dropped)."""
-    from flashrl.engine.model import ForwardBatch
+    from flashrl.model.batch import ForwardBatch
 
     layers = [(name, m) for name, m in engine.model.named_modules()
               if isinstance(m, DenseLinear) and name.startswith("layers.")]

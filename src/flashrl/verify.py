@@ -240,7 +240,7 @@ def _update_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[tuple[str, 
 
 def check_reload(ctx: VerifyContext, scheme: str) -> str:
     """update_weights(B) into an engine loaded from A equals a fresh load of B, bit for bit, in place."""
-    from flashrl.engine.weights import iter_checkpoint
+    from flashrl.model.weights import iter_checkpoint
 
     engine = ctx.engine("a", scheme)
     ids = _token_ids(11, [24])[0]

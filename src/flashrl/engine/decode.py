@@ -2,7 +2,7 @@
 
 One decode step advances the active sequences, which the engine keeps in KV-cache slots 0..B-1, by
 one token each. This module runs the model part of that step (token ids and positions in, fp32
-logits out); the scheduler, the sampler and the finish checks stay in `flashrl.engine.engine`.
+logits out); the scheduler (`flashrl.engine.scheduler`) and the sampler stay outside it.
 
 **Buckets.** A captured CUDA graph (or a compiled kernel with static shapes) serves one shape only,
 so with buckets on, a step of B sequences whose longest one has L cached tokens (the new one
@@ -51,8 +51,9 @@ from __future__ import annotations
 import torch
 
 from flashrl.engine.kv_cache import KVCache
-from flashrl.engine.model import Decoder, ForwardBatch, attention_mask
 from flashrl.errors import ConfigError, UnsupportedError
+from flashrl.model.batch import ForwardBatch
+from flashrl.model.decoder import Decoder
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """`torch.compile` modes the decode step accepts (torch's names)."""
@@ -128,7 +129,7 @@ class DecodeStep:
         (which the step also writes into the cache)."""
         if not self.buckets:
             self.shapes.add((len(tokens), max(positions) + 1))
-            return self._unpadded_forward(cache, tokens, positions)
+            return self.eager(cache, tokens, positions)
         b = len(tokens)
         bucket = batch_bucket(b, self.max_batch)
         kv_length = kv_bucket(max(positions) + 1, self.max_len)
@@ -144,12 +145,10 @@ class DecodeStep:
 
     # ---------------------------------------------------------------- forwards
 
-    def _unpadded_forward(self, cache: KVCache, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """The exact shapes of the step: B rows, attended length max(position) + 1."""
+    def eager(self, cache: KVCache, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """The step at its exact shapes, eagerly: B rows, attended length max(position) + 1."""
         pos = torch.tensor(positions, device=self.device)[:, None]
-        kv_length = max(positions) + 1
-        mask = attention_mask(pos, kv_length, self.model.sliding_window)
-        batch = ForwardBatch(positions=pos, cache=cache, decode=True, kv_length=kv_length, mask=mask)
+        batch = ForwardBatch.decode_step(pos, cache, max(positions) + 1, self.model.sliding_window)
         hidden = self.model.hidden_states(torch.tensor(tokens, device=self.device)[:, None], batch)
         return self.model.logits(hidden[:, 0])
 
@@ -158,9 +157,8 @@ class DecodeStep:
         positions and the row mask (1 real, 0 padding); attention spans `kv_length` positions."""
         tokens, positions = inputs[0].unsqueeze(1), inputs[1].unsqueeze(1)
         row_mask = inputs[2].to(self.model.dtype).view(-1, 1, 1)
-        mask = attention_mask(positions, kv_length, self.model.sliding_window)
-        batch = ForwardBatch(positions=positions, cache=cache, decode=True, kv_length=kv_length, mask=mask,
-                             row_mask=row_mask)
+        batch = ForwardBatch.decode_step(positions, cache, kv_length, self.model.sliding_window,
+                                         row_mask=row_mask)
         hidden = self.model.hidden_states(tokens, batch)
         return self.model.logits(hidden[:, 0])
 

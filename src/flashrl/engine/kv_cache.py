@@ -42,13 +42,17 @@ from __future__ import annotations
 
 import torch
 
+from flashrl.core.config import KV_CACHE_DTYPES, KV_SCALE_GRANULARITIES
 from flashrl.errors import ConfigError, InputError
-from flashrl.quant.primitives import _encode, dequantize_per_row, dequantize_per_tensor, qmax_of, quantize_per_row
+from flashrl.quant.primitives import (
+    dequantize_per_row,
+    dequantize_per_tensor,
+    encode_codes,
+    quantize_per_row,
+)
+from flashrl.quant.schemes import FP8_E4M3_QMAX
 
-KV_CACHE_DTYPES = ("bf16", "fp8")
-SCALE_GRANULARITIES = ("layer", "head", "token")
 FP8 = torch.float8_e4m3fn
-FP8_MAX = qmax_of(FP8)
 
 
 class KVCache:
@@ -122,6 +126,20 @@ class KVCache:
         per_token = cls.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, kv_cache_dtype, scale_granularity)
         return max(0, free // per_token)
 
+    def stats(self) -> dict[str, float]:
+        """``kv_cache_bytes``; static fp8 scales: ``kv_{k,v}_scale_{mean,max}``; fp8:
+        ``kv_clipped_values`` and ``kv_clipped_frac`` (of the values written with static scales)."""
+        s = {"kv_cache_bytes": float(self.nbytes())}
+        if self.k_scale is not None:
+            k, v = self.k_scale, self.v_scale
+            s.update(kv_k_scale_mean=float(k.mean()), kv_k_scale_max=float(k.max()),
+                     kv_v_scale_mean=float(v.mean()), kv_v_scale_max=float(v.max()))
+        if self.quantized:
+            clipped, written = int(self.clipped), int(self.written)
+            s["kv_clipped_values"] = float(clipped)
+            s["kv_clipped_frac"] = clipped / written if written else 0.0
+        return s
+
     def nbytes(self) -> int:
         """Bytes held by the cache: codes or values, and every scale buffer."""
         tensors = self.k + self.v + self.k_token_scale + self.v_token_scale
@@ -156,7 +174,7 @@ class KVCache:
             return codes.view(x.shape), token_scale.view(x.shape[:-1])
         groups = scale.view((-1,) + (1,) * (x.dim() - 2))  # per head (or one) over [heads, (T,) D]
         scaled = x.float() / groups
-        clipped = scaled.abs() > FP8_MAX
+        clipped = scaled.abs() > FP8_E4M3_QMAX
         if valid is None:
             self.clipped += torch.count_nonzero(clipped)
             self.written += scaled.numel()
@@ -164,7 +182,8 @@ class KVCache:
             real = (valid != 0).view((-1,) + (1,) * (x.dim() - 1))
             self.clipped += torch.count_nonzero(clipped & real)
             self.written += torch.count_nonzero(real) * (scaled.numel() // x.shape[0])
-        return _encode(scaled, FP8, torch.empty(x.shape, dtype=FP8, device=x.device)), None
+        codes = torch.empty(x.shape, dtype=FP8, device=x.device)
+        return encode_codes(scaled, FP8, codes), None
 
     def write_prefill(
         self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -260,5 +279,6 @@ def scale_groups(num_kv_heads: int, scale_granularity: str) -> int:
 def _check(kv_cache_dtype: str, scale_granularity: str) -> None:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is invalid; allowed: {', '.join(KV_CACHE_DTYPES)}")
-    if scale_granularity not in SCALE_GRANULARITIES:
-        raise ConfigError(f"scale_granularity={scale_granularity!r} is invalid; allowed: {', '.join(SCALE_GRANULARITIES)}")
+    if scale_granularity not in KV_SCALE_GRANULARITIES:
+        allowed = ", ".join(KV_SCALE_GRANULARITIES)
+        raise ConfigError(f"scale_granularity={scale_granularity!r} is invalid; allowed: {allowed}")

@@ -1,180 +1,23 @@
-"""Sampling with exact logprobs: the logprob of each sampled token under the distribution sampled from.
+"""Sampling with exact logprobs: one token per row, and its logprob under the distribution used.
 
-Processing order (the same as vLLM's V1 sampler, so "processed" logprobs agree across engines):
-fp32 logits -> temperature -> top-k -> top-p -> softmax -> sample. Top-k keeps the k largest logits
-(ties at the k-th value are kept). Top-p sorts ascending and removes the tokens whose cumulative
-probability is <= 1 - p, always keeping the most likely token. The returned logprob is
-``log_softmax(processed logits)[token]`` in fp32: renormalised over the kept support. Greedy
-(temperature 0) returns the log-softmax of the raw logits (no temperature), as vLLM does.
+The distribution is `flashrl.core.sampling.process_logits` (temperature -> top-k -> top-p); the
+returned logprob is ``log_softmax(processed logits)[token]`` in fp32.
 
-`replay_processed_logprobs` recomputes the same quantity for given tokens from full-sequence logits;
-the trainer uses it to replay the rollout's temperature and truncation (mask replay).
+Randomness: each request (prompt i, sample j) of a `generate` call draws from its own stream,
+seeded from (seed, i, j) by `stream_seed`, one uniform number per token (inverse-CDF sampling). A
+request's tokens therefore do not depend on which other requests share its batch. The uniforms
+and the sampled logprobs of a call live in per-call device tables (`SamplingTables`), so a step
+reads and writes them with one indexing op for the whole batch.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from flashrl.errors import InputError
-
-NEG_INF = float("-inf")
-
-
-def _is_integer(value: object) -> bool:
-    """An int, or a numpy integer; not a bool, not a float (2.0 is refused rather than truncated)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
-
-
-def _is_real(value: object) -> bool:
-    """An int or float (numpy's included); not a bool, not a string."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample. Validated on construction; errors name the field and the allowed range."""
-
-    temperature: float = 1.0
-    """0 means greedy."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 (or -1) disables."""
-    top_p: float = 1.0
-    """Keep the smallest set of most likely tokens with cumulative probability >= top_p; 1 disables."""
-    max_tokens: int = 256
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    seed: int | None = None
-    n: int = 1
-    """Samples per prompt; they share the prompt's prefill."""
-    logprobs: bool = True
-    """Return the processed logprob of every sampled token."""
-    raw_logprobs: bool = False
-    """Also return the raw logprob (log-softmax of the unprocessed logits)."""
-
-    def __post_init__(self) -> None:
-        """Check every field's type and range (an `InputError` naming the field and what is allowed)
-        and normalise numbers to plain Python types: a float where a float is meant (``temperature=1``
-        is fine), an int where an int is meant (``n=2.0`` is refused, not truncated)."""
-        def fail(name: str, allowed: str) -> None:
-            raise InputError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid; allowed: {allowed}")
-
-        def number(name: str, ok, allowed: str) -> None:
-            value = getattr(self, name)
-            if not _is_real(value) or not math.isfinite(value) or not ok(value):
-                fail(name, allowed)
-            object.__setattr__(self, name, float(value))
-
-        def integer(name: str, ok, allowed: str, optional: bool = False) -> None:
-            value = getattr(self, name)
-            if optional and value is None:
-                return
-            if not _is_integer(value) or not ok(value):
-                fail(name, allowed)
-            object.__setattr__(self, name, int(value))
-
-        number("temperature", lambda x: x >= 0, "a number >= 0 (0 is greedy)")
-        integer("top_k", lambda x: x >= -1, "an integer >= 0 (0 or -1 disables)")
-        if self.top_k == -1:
-            object.__setattr__(self, "top_k", 0)
-        number("top_p", lambda x: 0 < x <= 1, "a number in (0, 1]")
-        integer("max_tokens", lambda x: x >= 1, "an integer >= 1")
-        integer("n", lambda x: x >= 1, "an integer >= 1")
-        integer("seed", lambda x: True, "an integer or None", optional=True)
-        for name in ("ignore_eos", "logprobs", "raw_logprobs"):
-            if not isinstance(getattr(self, name), bool | np.bool_):
-                fail(name, "True or False")
-            object.__setattr__(self, name, bool(getattr(self, name)))
-        stop = self.stop_token_ids
-        if isinstance(stop, torch.Tensor | np.ndarray):
-            stop = stop.tolist()
-        stop = list(stop) if isinstance(stop, Iterable) and not isinstance(stop, str | bytes) else None
-        if stop is None or not all(_is_integer(t) and t >= 0 for t in stop):
-            fail("stop_token_ids", "a list of token ids (integers >= 0)")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def truncates(self) -> bool:
-        """Whether top-k or top-p remove tokens (the trainer must then replay the truncation)."""
-        return self.top_k > 0 or self.top_p < 1
-
-
-# ------------------------------------------------------------------------------------------------
-# processing: temperature -> top-k -> top-p (the definition of "processed")
-# ------------------------------------------------------------------------------------------------
-
-TOP_P_CANDIDATES = 1024
-"""Top-p first looks at this many most likely tokens; when they hold at least p of the mass (the
-usual case) the nucleus lies among them and no full-vocabulary sort is needed. Exact either way."""
-
-
-def _top_k_mask_(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Mask logits below the k-th largest value (ties with the k-th value are kept)."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits.masked_fill_(logits < kth, NEG_INF)
-    return logits
-
-
-def _top_p_mask_(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Remove tokens whose ascending cumulative probability is <= 1 - top_p (the most likely token
-    always stays): vLLM's rule. Rows whose top candidates hold >= p of the mass are resolved among
-    the candidates; the outside mass is added as the starting cumulative value, which gives exactly
-    the full-sort result because every outside token's cumulative value is <= 1 - p."""
-    if top_p >= 1:
-        return logits
-    vocab = logits.shape[-1]
-    flat = logits.reshape(-1, vocab)
-    log_z = torch.logsumexp(flat, dim=-1, keepdim=True)
-    k = min(TOP_P_CANDIDATES, vocab)
-    values, index = flat.topk(k, dim=-1)  # descending
-    probs = (values - log_z).exp()
-    inside = probs.sum(-1, keepdim=True)
-    cum_ascending = (1 - inside) + probs.flip(-1).cumsum(-1)  # ascending order over candidates
-    remove = (cum_ascending <= 1 - top_p).flip(-1)
-    remove[:, 0] = False
-    covered = (inside >= top_p).squeeze(-1) | (k == vocab)
-    result = torch.full_like(flat, NEG_INF)
-    result.scatter_(-1, index, values.masked_fill(remove, NEG_INF))
-    if not bool(covered.all()):  # rare: a very flat distribution; sort those rows fully
-        rows = (~covered).nonzero().squeeze(-1)
-        sorted_vals, sorted_idx = flat[rows].sort(dim=-1)
-        cum = sorted_vals.softmax(-1).cumsum(-1)
-        drop = cum <= 1 - top_p
-        drop[:, -1] = False
-        result[rows] = torch.full_like(sorted_vals, NEG_INF).scatter(-1, sorted_idx, sorted_vals.masked_fill(drop, NEG_INF))
-    return result.view_as(logits)
-
-
-def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """The logits actually sampled from, fp32: ``logits / T`` with top-k and top-p applied as -inf.
-    Temperature 0 (greedy) leaves the logits unscaled."""
-    out = logits.float() / temperature if temperature > 0 else logits.float().clone()
-    if temperature > 0:
-        out = _top_k_mask_(out, top_k)
-        out = _top_p_mask_(out, top_p)
-    return out
-
-
-def replay_processed_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
-) -> torch.Tensor:
-    """fp32 logprobs of `tokens` [...] under the processed distribution of `logits` [..., V].
-
-    The trainer calls this with its own logits to replay the rollout's temperature and truncation;
-    a token outside the truncated support gets -inf.
-    """
-    processed = process_logits(logits, temperature, top_k, top_p)
-    return torch.log_softmax(processed, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+from flashrl.core.sampling import SamplingParams, process_logits
 
 
 @dataclass
@@ -186,7 +29,9 @@ class SampleOutput:
     raw_logprobs: torch.Tensor | None = None
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None = None) -> SampleOutput:
+def sample(
+    logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None = None
+) -> SampleOutput:
     """Sample one token per row of `logits` [B, V].
 
     Sampling is by inverse CDF with one uniform number per row (`uniforms` [B] in [0, 1)), so a
@@ -209,5 +54,87 @@ def sample(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor 
     logprobs = logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     raw = None
     if params.raw_logprobs:
-        raw = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        raw_all = torch.log_softmax(logits.float(), dim=-1)
+        raw = raw_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return SampleOutput(tokens=tokens, logprobs=logprobs, raw_logprobs=raw)
+
+
+def stream_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit seed for one request's random stream (splitmix64-style mixing of the three ints)."""
+    mask = 2**64 - 1
+    x = (seed * 0x9E3779B97F4A7C15 + prompt_index * 0xBF58476D1CE4E5B9
+         + sample_index * 0x94D049BB133111EB) & mask
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & mask
+    return (x ^ (x >> 32)) & (2**63 - 1)
+
+
+@dataclass
+class SamplingTables:
+    """Per-token device tables of one `generate` call, [requests, max_tokens]: each step reads its
+    uniforms and writes its logprobs with one indexing op for the whole batch. Request (i, j) is
+    row ``i * n + j``."""
+
+    uniforms: torch.Tensor | None
+    """float64 uniforms of every request's random stream (None when greedy)."""
+    logprobs: torch.Tensor
+    """fp32 processed logprobs of the sampled tokens."""
+    raw_logprobs: torch.Tensor | None
+    """fp32 raw logprobs (with ``SamplingParams.raw_logprobs``)."""
+
+    @classmethod
+    def build(
+        cls, prompt_lengths: Sequence[int], params: SamplingParams, base_seed: int, max_len: int,
+        device: torch.device,
+    ) -> SamplingTables:
+        """The tables of a call over prompts of `prompt_lengths`: request (i, j)'s uniforms are the
+        draws of its own stream, seeded from (base_seed, i, j) (the first `max_tokens`, of which
+        the table keeps as many as the longest response can use)."""
+        rows = len(prompt_lengths) * params.n
+        width = min(params.max_tokens, max_len - min(prompt_lengths))
+        uniforms = None
+        if not params.greedy:
+            uniforms = torch.empty(rows, width, dtype=torch.float64)
+            for i in range(len(prompt_lengths)):
+                for j in range(params.n):
+                    gen = torch.Generator().manual_seed(stream_seed(base_seed, i, j))
+                    draws = torch.rand(params.max_tokens, generator=gen, dtype=torch.float64)
+                    uniforms[i * params.n + j] = draws[:width]
+            uniforms = uniforms.to(device)
+        logprobs = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        raw = torch.zeros_like(logprobs) if params.raw_logprobs else None
+        return cls(uniforms, logprobs, raw)
+
+    def sample(
+        self, logits: torch.Tensor, params: SamplingParams, rows: Sequence[int],
+        steps: Sequence[int],
+    ) -> SampleOutput:
+        """Sample one token per row of `logits` for table rows `rows` at token indices `steps` and
+        store the logprobs in the tables.
+
+        Per step: one host-to-device copy of the (row, step) pairs, one gather of the uniforms,
+        one scatter of the logprobs, and one device-to-host copy of the tokens (the host needs
+        them for the finish checks)."""
+        where = torch.tensor([list(rows), list(steps)], device=self.logprobs.device)
+        uniforms = self.uniforms[where[0], where[1]] if self.uniforms is not None else None
+        out = sample(logits, params, uniforms)
+        self.logprobs[where[0], where[1]] = out.logprobs
+        if self.raw_logprobs is not None:
+            self.raw_logprobs[where[0], where[1]] = out.raw_logprobs
+        return out
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    """One sampling step of `Engine.generate` as sample observers see it
+    (`Engine.add_sample_observer`); row k describes one request."""
+
+    prompt_index: tuple[int, ...]
+    sample_index: tuple[int, ...]
+    step: tuple[int, ...]
+    """Position of the sampled token in its response (0: the first response token)."""
+    logits: torch.Tensor
+    """[B, vocab] fp32 logits the tokens were sampled from (before temperature and truncation)."""
+    tokens: tuple[int, ...]
+    logprobs: torch.Tensor
+    """[B] fp32 processed logprobs of the tokens (what the rollouts report)."""

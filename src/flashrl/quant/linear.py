@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from flashrl.core.config import DEFAULT_SKIP
 from flashrl.errors import InputError
 from flashrl.quant.gemm import check_gemm_shape, scaled_linear
 from flashrl.quant.primitives import (
@@ -255,11 +256,6 @@ def make_linear(
 
 
 # -------------------------------------------------------------------- model-level API
-
-DEFAULT_SKIP: tuple[str, ...] = ("lm_head", "*.mlp.gate")
-"""Kept in high precision by default: the LM head (logprob accuracy) and MoE routers. Embeddings and
-norms are not `nn.Linear` and are never touched."""
-
 
 def matches_any(name: str, patterns: Iterable[str]) -> bool:
     """Whether module name `name` matches a skip pattern: a glob (``"lm_head"``, ``"*.down_proj"``,

@@ -87,7 +87,8 @@ def _abs_max(t: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch
     return torch.maximum(t.amax(dim=dim, keepdim=True), t.amin(dim=dim, keepdim=True).neg())
 
 
-def _scale_from_amax(amax: torch.Tensor, qmax: float, out: torch.Tensor | None) -> torch.Tensor:
+def scale_from_amax(amax: torch.Tensor, qmax: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``max(amax, 1e-10) / qmax`` in fp32 (rules 2 and 4), written into `out` when given."""
     # Divide by a tensor on amax's device, not by the Python float: CUDA torch turns division by a
     # CPU scalar into a multiply by its reciprocal (rule 4), which differs from amax / qmax in the
     # last bit for many amax (about half of them for qmax = 448).
@@ -99,7 +100,7 @@ def _scale_from_amax(amax: torch.Tensor, qmax: float, out: torch.Tensor | None) 
     return out
 
 
-def _encode(scaled: torch.Tensor, code_dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+def encode_codes(scaled: torch.Tensor, code_dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
     """Round / clamp an fp32 tensor of ``x / s`` (modified in place) and cast it into `out`."""
     if code_dtype == torch.int8:
         scaled.round_().clamp_(-127.0, 127.0)
@@ -160,7 +161,7 @@ def _quantize_chunked(
         scale = scale_chunk_(chunk, slice(0, n))
         if check_finite:
             raise_if_not_finite(x, scale, name)
-        return _encode(chunk, code_dtype, out)
+        return encode_codes(chunk, code_dtype, out)
     step = max(row_align, budget // max(k_pad, 1) // row_align * row_align)
     workspace = torch.empty(min(step, n_pad), k_pad, dtype=torch.float32, device=x.device)
     for start in range(0, n, step):
@@ -173,7 +174,7 @@ def _quantize_chunked(
         scale = scale_chunk_(chunk, rows)
         if check_finite:
             raise_if_not_finite(x, scale, name)
-        _encode(chunk[:count, :k], code_dtype, out[rows])
+        encode_codes(chunk[:count, :k], code_dtype, out[rows])
     return out
 
 
@@ -191,7 +192,7 @@ def quantize_per_tensor(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One fp32 scale for the whole 2-D tensor. Returns (codes like x, scale of shape [])."""
     _check_out(out, tuple(x.shape), code_dtype, "out")
-    scale = _scale_from_amax(_abs_max(x), qmax_of(code_dtype), scale_out)
+    scale = scale_from_amax(_abs_max(x), qmax_of(code_dtype), scale_out)
 
     def scale_chunk_(chunk: torch.Tensor, rows: slice) -> torch.Tensor:
         chunk.div_(scale)
@@ -224,7 +225,7 @@ def quantize_per_row(
     qmax = qmax_of(code_dtype)
 
     def scale_chunk_(chunk: torch.Tensor, rows: slice) -> torch.Tensor:
-        s = _scale_from_amax(_abs_max(chunk, dim=-1), qmax, scale[rows])
+        s = scale_from_amax(_abs_max(chunk, dim=-1), qmax, scale[rows])
         chunk.div_(s)
         return s
 
@@ -268,7 +269,7 @@ def quantize_per_block(
         tiles = chunk.view(-1, bn, grid[1], bk)
         first = rows.start // bn
         amax = _abs_max(tiles, dim=3).amax(dim=1, keepdim=True)  # inner (contiguous) dim first
-        s = _scale_from_amax(amax, qmax, scale[first : first + tiles.shape[0]])
+        s = scale_from_amax(amax, qmax, scale[first : first + tiles.shape[0]])
         tiles.div_(s[:, None, :, None])
         return s
 
@@ -326,7 +327,7 @@ def quantize_per_group(
 
     def scale_chunk_(chunk: torch.Tensor, rows: slice) -> torch.Tensor:
         tiles = chunk.view(chunk.shape[0], groups, group)
-        s = _scale_from_amax(_abs_max(tiles, dim=-1).squeeze(-1), qmax, scale[rows])
+        s = scale_from_amax(_abs_max(tiles, dim=-1).squeeze(-1), qmax, scale[rows])
         tiles.div_(s[:, :, None])
         return s
 

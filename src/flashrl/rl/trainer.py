@@ -42,8 +42,8 @@ from tqdm.auto import tqdm
 
 from flashrl.config import RolloutConfig, resolve_config
 from flashrl.correction import compute_correction, ppo_clip_loss
-from flashrl.engine.engine import peak_memory_bytes, resolve_dtype
-from flashrl.engine.sampler import SamplingParams, replay_processed_logprobs
+from flashrl.core.device import peak_memory_bytes, resolve_dtype
+from flashrl.core.sampling import SamplingParams, replay_processed_logprobs
 from flashrl.errors import CheckpointError
 from flashrl.rl import algo
 from flashrl.rl import checkpoint as ckpt
@@ -51,7 +51,7 @@ from flashrl.rl.checkpoint import read_metrics  # noqa: F401 (public as flashrl.
 from flashrl.rl.config import RESUME_FREE_FIELDS, TrainConfig
 from flashrl.rl.data import ArithmeticTask, Example, FileDataset, PromptSource, render_prompt
 from flashrl.rl.rewards import get_reward
-from flashrl.rollout import Rollout, RolloutBackend
+from flashrl.core.rollout import Rollout, RolloutBackend
 from flashrl.utils import synchronize
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def response_logprobs(model, batch: Batch, params: SamplingParams, with_entropy:
     if not with_entropy:
         return lp, None
     with torch.no_grad():
-        from flashrl.engine.sampler import process_logits
+        from flashrl.core.sampling import process_logits
 
         logp = torch.log_softmax(process_logits(logits.detach(), temperature, params.top_k, params.top_p), -1)
         entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)

@@ -17,7 +17,7 @@
 | `transfer`      | the ``flashrl`` weight-transfer backend and the ``flashrl_*`` worker methods        |
 | `config`        | `engine_kwargs` (``LLM(...)`` arguments for a scheme) and the FLASHRL_CONFIG handling |
 | `weight_sync`   | `WeightSync`: trainer parameters -> running ``LLM``, grouped by layer, with timings  |
-| `backend`       | `VLLMBackend`: the `flashrl.rollout.RolloutBackend` protocol on top of ``vllm.LLM``   |
+| `backend`       | `VLLMBackend`: the `flashrl.core.RolloutBackend` protocol on top of ``vllm.LLM``       |
 
 Importing this package does not import vLLM; `WeightSync` and `VLLMBackend` import it on first use.
 """

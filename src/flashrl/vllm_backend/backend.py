@@ -1,4 +1,4 @@
-"""`VLLMBackend`: the `flashrl.rollout.RolloutBackend` protocol on top of ``vllm.LLM``.
+"""`VLLMBackend`: the `flashrl.core.rollout.RolloutBackend` protocol on top of ``vllm.LLM``.
 
 The trainer talks to this class exactly as to the built-in engine: `generate` returns `Rollout`s
 whose ``logprobs`` are vLLM's processed logprobs (the distribution sampled from: temperature,
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from flashrl.config import RolloutConfig
-from flashrl.engine.sampler import SamplingParams
-from flashrl.rollout import FINISH_REASONS, Rollout
+from flashrl.core.config import RolloutConfig
+from flashrl.core.rollout import FINISH_REASONS, Rollout
+from flashrl.core.sampling import SamplingParams
 from flashrl.vllm_backend.config import engine_kwargs, rollout_config
 
 
@@ -57,7 +57,7 @@ class VLLMBackend:
         self.llm = LLM(str(model_dir), **kwargs)
         self.sync = WeightSync(self.llm)
         self._stats: dict[str, float] = dict.fromkeys(
-            ("generate_calls", "prompts", "rollouts", "prompt_tokens", "tokens_generated", "generate_s",
+            ("generate_calls", "prompts", "sequences", "prompt_tokens", "generated_tokens", "generate_s",
              "raw_logprob_s", "weight_updates", "sync_s", "transfer_s", "requant_s", "kv_calibration_s"),
             0.0,
         )
@@ -109,9 +109,9 @@ class VLLMBackend:
             self._stats["raw_logprob_s"] += time.perf_counter() - raw_start
         self._stats["generate_calls"] += 1
         self._stats["prompts"] += len(prompts)
-        self._stats["rollouts"] += len(rollouts)
+        self._stats["sequences"] += len(rollouts)
         self._stats["prompt_tokens"] += sum(len(o.prompt_token_ids) for o in outputs)
-        self._stats["tokens_generated"] += sum(len(r.response_ids) for r in rollouts)
+        self._stats["generated_tokens"] += sum(len(r.response_ids) for r in rollouts)
         return rollouts
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
@@ -125,12 +125,13 @@ class VLLMBackend:
         return timings
 
     def stats(self) -> dict[str, float]:
-        """Counters and seconds since construction (``kv_calibration_s`` includes start-up), plus the
-        current fp8 KV scales (``kv_{k,v}_scale_{mean,max}``) when they are calibrated."""
+        """Every key of `flashrl.core.rollout.BACKEND_STATS` (``kv_calibration_s`` includes
+        start-up), ``raw_logprob_s``, plus the current fp8 KV scales (``kv_{k,v}_scale_{mean,max}``)
+        when they are calibrated."""
         stats = dict(self._stats)
         stats["kv_calibration_s"] += self.sync.kv_start_s
-        if stats["generate_s"] > 0:
-            stats["tokens_per_s"] = stats["tokens_generated"] / stats["generate_s"]
+        generate_s = stats["generate_s"]
+        stats["tokens_per_s"] = stats["generated_tokens"] / generate_s if generate_s > 0 else 0.0
         stats.update(self.sync.kv.summary())
         return stats
 

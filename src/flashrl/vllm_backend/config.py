@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from flashrl.config import RolloutConfig, from_env, resolve_config
+from flashrl.core.config import RolloutConfig, resolve_config
+from flashrl.core.env import from_env
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.vllm_backend.names import METHOD_NAMES, TRANSFER_BACKEND, WORKER_EXTENSION
 

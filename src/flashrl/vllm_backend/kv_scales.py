@@ -7,7 +7,7 @@ each reload. A scale of 1.0 clips K/V beyond +-448 and gives values below 2^-6 o
 precision. `KVScaleSync` therefore sets the scales after the engine starts and after every
 `WeightSync.push`:
 
-- ``kv_scale="calibrated"``: `flashrl.engine.kv_calibration.calibrate_from_weights` runs flashrl's
+- ``kv_scale="calibrated"``: `flashrl.model.kv_calibration.calibrate_from_weights` runs flashrl's
   decoder one layer at a time over the pushed tensors (on their device, in the engine's dtype and
   weight scheme) and a calibration set: the most recent rollouts (`remember`, fed by
   `VLLMBackend.generate`), else seeded random token ids. Same rule as the built-in engine: K amax
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from flashrl.engine.kv_calibration import (
+from flashrl.model.kv_calibration import (
     KVScales,
     RecentSequences,
     calibrate_from_weights,
@@ -40,7 +40,7 @@ from flashrl.engine.kv_calibration import (
     checkpoint_getter,
     fallback_sequences,
 )
-from flashrl.engine.model_config import ModelConfig
+from flashrl.model.config import ModelConfig
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.vllm_backend.config import ADDITIONAL_CONFIG_KEY
 

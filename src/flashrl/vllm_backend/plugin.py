@@ -56,7 +56,7 @@ def register() -> None:
     if os.environ.get("FLASHRL_CONFIG"):
         # An unmodified script never configures flashrl's logger: apply FLASHRL_LOGGING_LEVEL /
         # FLASHRL_LOGGING_FILE here, so the scheme, the quantized layers and every re-quantization show.
-        from flashrl.config import configure_logging
+        from flashrl.core.env import configure_logging
 
         configure_logging()
         install_env_hook()

@@ -131,7 +131,7 @@ class WeightSync:
                              "the next push recalibrates on remember_kv's sequences")
         if not self.kv.calibrated:
             raise ValueError("calibrate_kv needs an fp8 KV cache with kv_scale='calibrated'")
-        from flashrl.engine.kv_calibration import checkpoint_getter
+        from flashrl.model.kv_calibration import checkpoint_getter
 
         return self.kv.apply(checkpoint_getter(self.kv.model_dir), sequences=[list(s) for s in sequences])
 

@@ -42,12 +42,14 @@ from pathlib import Path
 
 import torch
 
-from flashrl.engine.kv_cache import FP8_MAX, SCALE_GRANULARITIES
-from flashrl.engine.model import Decoder, ForwardBatch, attention_mask
-from flashrl.engine.model_config import ModelConfig
-from flashrl.engine.weights import WeightMap, checkpoint_files
+from flashrl.core.config import KV_SCALE_GRANULARITIES
 from flashrl.errors import CheckpointError, ConfigError, InputError
-from flashrl.quant.primitives import _scale_from_amax
+from flashrl.model.batch import ForwardBatch, KVObserver, pad_right
+from flashrl.model.config import ModelConfig
+from flashrl.model.decoder import Decoder
+from flashrl.model.weights import WeightMap, checkpoint_files
+from flashrl.quant.primitives import scale_from_amax
+from flashrl.quant.schemes import FP8_E4M3_QMAX
 
 KV_MARGIN = 2.0
 """Headroom over the calibrated amax (see the module docstring and docs/kv_cache.md)."""
@@ -95,7 +97,7 @@ def scales_from_amax(amax: torch.Tensor, margin: float = KV_MARGIN) -> torch.Ten
     """``max(amax * margin, 1e-10) / 448`` in fp32 (flashrl.quant's scale floor and division)."""
     if not margin >= 1.0:
         raise ConfigError(f"margin={margin!r} must be >= 1 (a margin below 1 clips the calibration set itself)")
-    return _scale_from_amax(amax.float() * margin, FP8_MAX, None)
+    return scale_from_amax(amax.float() * margin, FP8_E4M3_QMAX)
 
 
 class KVAmaxObserver:
@@ -125,7 +127,7 @@ class KVAmaxObserver:
 
     def scales(self, granularity: str = "layer", margin: float = KV_MARGIN) -> KVScales:
         """Scales at `granularity` (``layer``: max over heads; ``head``: one per kv head)."""
-        if granularity not in SCALE_GRANULARITIES[:2]:
+        if granularity not in KV_SCALE_GRANULARITIES[:2]:
             raise ConfigError(f"granularity={granularity!r} is invalid for static scales; allowed: layer, head")
         amax = (self.k_amax, self.v_amax) + ((self.q_amax,) if self.q_amax is not None else ())
         if not all(bool(torch.isfinite(a).all()) for a in amax):
@@ -184,15 +186,9 @@ def padded_batches(
     order = sorted((s for s in sequences if len(s)), key=len, reverse=True)
     start = 0
     while start < len(order):
-        width = len(order[start])
-        count = max(1, batch_tokens // width)
-        group = order[start : start + count]
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        valid = torch.zeros(len(group), width, dtype=torch.bool)
-        for row, s in enumerate(group):
-            ids[row, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-            valid[row, : len(s)] = True
-        yield ids.to(device), valid.to(device)
+        count = max(1, batch_tokens // len(order[start]))
+        padded = pad_right(order[start : start + count], device)
+        yield padded.ids, padded.valid
         start += count
 
 
@@ -206,9 +202,9 @@ def _check_sequences(sequences: Sequence[Sequence[int]], vocab_size: int, max_le
     return seqs
 
 
-def _forward_batch(positions: torch.Tensor, width: int, window: int | None, observer) -> ForwardBatch:
-    mask = attention_mask(positions, width, window) if window is not None and width > window else None
-    return ForwardBatch(positions=positions, mask=mask, kv_observer=observer)
+def _forward_batch(ids: torch.Tensor, window: int | None, observer: KVObserver) -> ForwardBatch:
+    """A no-cache causal forward over right-padded `ids` [B, T] that reports K/V to `observer`."""
+    return ForwardBatch.prefill(ids.shape[0], ids.shape[1], ids.device, window, kv_observer=observer)
 
 
 @torch.no_grad()
@@ -227,8 +223,7 @@ def calibrate_model(
     observer = KVAmaxObserver(c.num_layers, c.num_kv_heads, device, include_q)
     for ids, valid in padded_batches(seqs, device):
         observer.valid = valid
-        positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
-        model.hidden_states(ids, _forward_batch(positions, ids.shape[1], c.sliding_window, observer))
+        model.hidden_states(ids, _forward_batch(ids, c.sliding_window, observer))
     observer.tokens = sum(map(len, seqs))
     return observer.scales(granularity, margin)
 
@@ -271,9 +266,8 @@ def calibrate_from_weights(
 
         for i, (ids, valid) in enumerate(batches):
             observer.valid = valid
-            positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
-            hidden[i] = model.layers[0](hidden[i], _forward_batch(positions, ids.shape[1], config.sliding_window, observe),
-                                        model.rotary)
+            batch = _forward_batch(ids, config.sliding_window, observe)
+            hidden[i] = model.layers[0](hidden[i], batch, model.rotary)
     observer.tokens = sum(map(len, seqs))
     return observer.scales(granularity, margin)
 

@@ -13,66 +13,17 @@ are fp32 end to end (the final hidden state is upcast before the head matmul).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flashrl.engine.kv_cache import KVCache
-from flashrl.engine.model_config import ModelConfig, rope_inv_freq
+from flashrl.model.batch import ForwardBatch, masked_rows
+from flashrl.model.config import ModelConfig, rope_inv_freq
 from flashrl.quant.linear import DenseLinear, make_linear, matches_any
 from flashrl.quant.schemes import QuantScheme, get_scheme
 
 QKV_SHARDS = ("q_proj", "k_proj", "v_proj")
 GATE_UP_SHARDS = ("gate_proj", "up_proj")
-
-
-@dataclass
-class ForwardBatch:
-    """Where the tokens of one forward pass sit. `positions` [B, T]; for decode T == 1.
-
-    - prefill: `slots` [B] receive the K/V of positions 0..T-1 (right-padded prompts; causal
-      attention never lets a real token see the padding after it);
-    - decode: the batch is slots 0..B-1, each writes one token at `positions[:, 0]` and attends
-      over cache positions 0..kv_length-1 up to its own position;
-    - no cache (`cache` None): a plain causal forward over the whole sequence (scoring, tests).
-    """
-
-    positions: torch.Tensor
-    cache: KVCache | None = None
-    slots: torch.Tensor | None = None
-    decode: bool = False
-    kv_length: int = 0
-    mask: torch.Tensor | None = None
-    """Boolean attention mask [B or 1, 1, T, S] (True = attend); None means plain causal."""
-    kv_observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
-    """Called as ``kv_observer(layer, q, k, v)`` with q [B, heads, T, D] and k, v [B, kv_heads, T, D]
-    after q/k norm and RoPE, i.e. exactly what attention uses and the cache stores (FP8 KV calibration)."""
-    row_mask: torch.Tensor | None = None
-    """Padded decode batches (shape bucketing): [B, 1, 1] in the activation dtype, 1 for real rows and
-    0 for padding rows. Every linear layer's input is multiplied by it, so padding rows enter each
-    GEMM as exact zeros and cannot move a per-tensor activation scale (the `fp8` scheme's amax spans
-    the batch); the cache counts clipping on real rows only. Multiplying by 1 is exact, so real rows
-    compute what they compute unpadded. None: no padding rows."""
-
-
-def masked_rows(x: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
-    """`x` [B, T, F] with the padding rows of a bucketed decode batch set to zero (see `ForwardBatch.row_mask`)."""
-    return x if batch is None or batch.row_mask is None else x * batch.row_mask
-
-
-def attention_mask(
-    q_positions: torch.Tensor, kv_length: int, sliding_window: int | None
-) -> torch.Tensor:
-    """Mask [B, 1, T, S]: query at position p sees keys 0..p (and only the last `sliding_window`)."""
-    keys = torch.arange(kv_length, device=q_positions.device)
-    q = q_positions[:, None, :, None]
-    mask = keys <= q
-    if sliding_window is not None:
-        mask &= keys > q - sliding_window
-    return mask
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -251,7 +202,5 @@ class Decoder(nn.Module):
         """Full causal forward without a cache: fp32 logits [B, T, vocab]."""
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        mask = None
-        if self.sliding_window is not None and input_ids.shape[1] > self.sliding_window:
-            mask = attention_mask(positions, input_ids.shape[1], self.sliding_window)
-        return self.logits(self.hidden_states(input_ids, ForwardBatch(positions=positions, mask=mask)))
+        batch = ForwardBatch.causal(positions, self.sliding_window)
+        return self.logits(self.hidden_states(input_ids, batch))

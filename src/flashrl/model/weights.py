@@ -28,6 +28,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +36,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from flashrl.engine.model import GATE_UP_SHARDS, QKV_SHARDS, Decoder
 from flashrl.errors import CheckpointError, WeightError
+from flashrl.model.decoder import GATE_UP_SHARDS, QKV_SHARDS, Decoder
 from flashrl.quant.linear import QuantLinear
+from flashrl.utils import synchronize
 
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _FUSED = {name: ("self_attn.qkv_proj", i) for i, name in enumerate(QKV_SHARDS)} | {
@@ -180,14 +182,19 @@ class WeightMap:
         if tensor.is_meta:
             raise WeightError(f"tensor {name!r} is on the meta device (it has no data); send materialised tensors")
         for target in targets:
-            expected = self._expected_shape(target)
+            expected = self.expected_shape(target)
             if tuple(tensor.shape) != expected:
                 raise WeightError(f"tensor {name!r} has shape {tuple(tensor.shape)}; expected {expected}")
         if finite:
             check_finite(name, tensor)
         return targets
 
-    def _expected_shape(self, target: Target) -> tuple[int, ...]:
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape HF tensor `name` must have (a `WeightError` when the name is unknown)."""
+        return self.expected_shape(self.resolve(name)[0])
+
+    def expected_shape(self, target: Target) -> tuple[int, ...]:
+        """The shape of what `target` receives: a whole parameter, or one shard's rows."""
         module = self._module(target)
         if target.kind == "param":
             return tuple(module.weight.shape)
@@ -210,6 +217,50 @@ class WeightMap:
             else:
                 module.set_bias_(tensor.to(module.bias.dtype), shard=target.shard)
         return changed
+
+    @torch.no_grad()
+    def write(
+        self, items: list[tuple[str, torch.Tensor]], device: torch.device, count_changed: bool = False
+    ) -> tuple[float, float, int]:
+        """`apply` tensors that `check` accepted, each copied to `device` first; returns seconds
+        copying, seconds writing (re-quantizing) and, with `count_changed`, the quantized codes
+        that changed. A device failure (e.g. out of memory) gets a note saying how far it got."""
+        transfer = requant = 0.0
+        changed = 0
+        for done, (name, tensor) in enumerate(items):
+            t0 = time.perf_counter()
+            try:
+                on_device = tensor.detach().to(device, non_blocking=True)
+                synchronize(device)
+                t1 = time.perf_counter()
+                changed += self.apply(name, on_device, count_changed=count_changed, checked=True)
+                synchronize(device)
+            except Exception as err:  # validated, so only the device can fail here
+                err.add_note(f"update_weights failed at tensor {name!r} after writing {done} of "
+                             f"{len(items)} tensors: the engine holds a partial update; send the "
+                             "whole update again")
+                raise
+            transfer += t1 - t0
+            requant += time.perf_counter() - t1
+        return transfer, requant, changed
+
+    def quantized_codes(self) -> int:
+        """How many quantized weight codes the model holds (the denominator of `count_changed`)."""
+        return sum(m.weight.numel() for m in self.model.modules() if isinstance(m, QuantLinear))
+
+    def random_weights(
+        self, seed: int, std: float, dtype: torch.dtype, device: torch.device
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every expected tensor drawn N(0, std) (norms 1) in `dtype` on `device`, in name order,
+        from a generator on `device` seeded with `seed`."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for name in sorted(self.expected):
+            shape = self.shape_of(name)
+            if name.endswith("norm.weight"):
+                yield name, torch.ones(shape, dtype=dtype, device=device)
+            else:
+                tensor = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+                yield name, tensor.mul_(std).to(dtype)
 
     def load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Strict load of a whole checkpoint: unknown names raise at once, missing names at the end

@@ -1,0 +1,213 @@
+"""`RolloutConfig`: how the rollout policy is quantized and how logprobs are returned; YAML files.
+
+The values a config may hold are defined here once (`SCHEME_NAMES`, `KV_CACHE_DTYPES`, ...), so
+this module imports nothing of flashrl's numerics: `flashrl.quant` defines what each scheme does
+(a test checks that its `SCHEMES` are exactly `SCHEME_NAMES`). `resolve_config` turns a scheme
+name or a YAML path into a config; `flashrl.core.env` reads the FLASHRL_* environment variables.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flashrl.errors import ConfigError
+from flashrl.fileio import atomic_write_text
+
+SCHEME_NAMES = ("bf16", "int8", "fp8", "fp8_channel", "fp8_block")
+"""The weight schemes of `flashrl.quant.SCHEMES`, by name."""
+DEFAULT_SKIP: tuple[str, ...] = ("lm_head", "*.mlp.gate")
+"""Kept in high precision by default: the LM head (logprob accuracy) and MoE routers. Embeddings and
+norms are not `nn.Linear` and are never touched."""
+KV_CACHE_DTYPES = ("bf16", "fp8")
+"""``bf16``: K and V in the activation dtype (not quantized); ``fp8``: e4m3 codes, fp32 scales."""
+KV_SCALE_MODES = ("calibrated", "dynamic")
+KV_SCALE_GRANULARITIES = ("layer", "head", "token")
+"""fp8 KV scales: one per layer, one per kv head (both static), or per token and head (dynamic)."""
+LOGPROB_MODES = ("processed", "raw")
+_YAML_SUFFIXES = (".yaml", ".yml")
+
+
+class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
+    """A config file named by an option or variable does not exist (also a FileNotFoundError)."""
+
+
+def read_yaml(path: str | Path) -> Any:
+    """The content of a YAML file, parsed with `yaml.safe_load` (tags that build Python objects are
+    refused, never run). Every error is a one-line `ConfigError` naming the file."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; expected a YAML file")
+    if not path.is_file():
+        raise ConfigFileNotFoundError(f"config file {str(path)!r} does not exist")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not valid YAML (not UTF-8 text: byte {err.start})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({yaml_problem(err)})") from None
+
+
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error as one line: where and what (PyYAML's own text spans several lines)."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if problem is None:
+        return " ".join(str(err).split())
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context = getattr(err, "context", None)
+    return where + " ".join((f"{problem}" + (f" ({context})" if context else "")).split())
+
+
+def scheme_name(scheme: Any) -> str:
+    """The canonical name of a weight scheme: a name of `SCHEME_NAMES` in any case (or an object
+    with such a ``name``, e.g. a `flashrl.quant.QuantScheme`); else a `ConfigError`."""
+    name = scheme if isinstance(scheme, str) else getattr(scheme, "name", None)
+    if not isinstance(name, str) or name.strip().lower() not in SCHEME_NAMES:
+        allowed = ", ".join(SCHEME_NAMES)
+        raise ConfigError(f"unknown quantization scheme {scheme!r}; allowed: {allowed}")
+    return name.strip().lower()
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How the rollout policy is quantized and how logprobs are returned."""
+
+    quant: str = "bf16"
+    """Weight scheme: one of `SCHEME_NAMES`."""
+    skip: tuple[str, ...] = DEFAULT_SKIP
+    """Linear layers kept in high precision (globs over module names, or ``re:`` regexes)."""
+    kv_cache_dtype: str = "bf16"
+    kv_scale: str | float = "calibrated"
+    """FP8 KV scales: recalibrated after each weight update, computed per step, or a fixed float."""
+    lm_head_fp32: bool = False
+    logprobs_mode: str = "processed"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "quant", scheme_name(self.quant))
+        object.__setattr__(self, "skip", _check_skip(self.skip))
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("logprobs_mode", self.logprobs_mode, LOGPROB_MODES)
+        object.__setattr__(self, "kv_scale", _check_kv_scale(self.kv_scale))
+        if not isinstance(self.lm_head_fp32, bool):
+            raise ConfigError(f"lm_head_fp32 must be true or false, got {self.lm_head_fp32!r}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> RolloutConfig:
+        """Build from a mapping of field values; unknown keys raise, naming `source` and the
+        allowed keys."""
+        if not isinstance(values, Mapping):
+            kind = type(values).__name__
+            raise ConfigError(f"{source}: expected a mapping of config keys, got {kind}")
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(allowed), key=str)
+        if unknown:
+            raise ConfigError(f"{source}: unknown key(s) {', '.join(map(str, unknown))}; "
+                              f"allowed: {', '.join(allowed)}")
+        kwargs = {k: tuple(v) if k == "skip" and isinstance(v, list) else v
+                  for k, v in values.items()}
+        try:
+            return cls(**kwargs)
+        except ConfigError as err:
+            if source == "config":
+                raise
+            raise ConfigError(f"{source}: {err}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> RolloutConfig:
+        """Read a YAML file of config keys (top level, or under a ``rollout:`` key)."""
+        path = Path(path)
+        data = read_yaml(path)
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            kind = type(data).__name__
+            raise ConfigError(f"{path}: expected a mapping of config keys, got {kind}")
+        if "rollout" in data:
+            if set(data) != {"rollout"}:
+                extra = ", ".join(sorted(map(str, set(data) - {"rollout"})))
+                raise ConfigError(f"{path}: keys {extra} next to 'rollout:'; "
+                                  "put every config key under 'rollout:'")
+            return cls.from_dict(data["rollout"] or {}, source=f"{path} (rollout)")
+        return cls.from_dict(data, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        values = asdict(self)
+        values["skip"] = list(self.skip)
+        return values
+
+    def to_yaml(self, path: str | Path, header: str = "") -> Path:
+        """Write the config as YAML, preceded by `header` as ``#`` comment lines; `from_yaml` reads
+        it back."""
+        comments = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
+        text = comments + yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return atomic_write_text(path, text)
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise ConfigError(f"{name}={value!r} is invalid; allowed: {', '.join(allowed)}")
+
+
+def _check_skip(skip: Any) -> tuple[str, ...]:
+    if isinstance(skip, str) or not isinstance(skip, (list, tuple)):
+        raise ConfigError(f"skip must be a list of module-name patterns, got {skip!r}")
+    for pattern in skip:
+        if not isinstance(pattern, str) or not pattern.strip():
+            raise ConfigError(f"skip must be a list of non-empty module-name patterns, "
+                              f"got {pattern!r} in {list(skip)!r}")
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as err:
+                raise ConfigError(f"skip pattern {pattern!r} is not a valid regular expression "
+                                  f"({err})") from None
+    return tuple(skip)
+
+
+def _check_kv_scale(value: Any) -> str | float:
+    allowed = f"{', '.join(KV_SCALE_MODES)} or a positive finite number"
+    if isinstance(value, str):
+        if value in KV_SCALE_MODES:
+            return value
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"kv_scale={value!r} is invalid; allowed: {allowed}") from None
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"kv_scale={value!r} is invalid; allowed: {allowed}")
+    return float(value)
+
+
+def resolve_config(
+    value: str | Path | RolloutConfig | None, source: str = "config"
+) -> RolloutConfig:
+    """A scheme name (``int8``), a YAML path or a config passes through; None gives the defaults.
+
+    Errors name `source` (e.g. ``FLASHRL_CONFIG``), the value and the allowed values.
+    """
+    if value is None:
+        return RolloutConfig()
+    if isinstance(value, RolloutConfig):
+        return value
+    text = str(value).strip()
+    if text.lower() in SCHEME_NAMES:
+        return RolloutConfig(quant=text.lower())
+    path = Path(text).expanduser()
+    if text and (path.is_file() or text.lower().endswith(_YAML_SUFFIXES) or os.sep in text):
+        if not path.is_file():
+            raise ConfigFileNotFoundError(f"{source}: config file {text!r} does not exist")
+        try:
+            return RolloutConfig.from_yaml(path)
+        except ConfigError as err:
+            raise ConfigError(f"{source}={text!r}: {err}") from None
+    allowed = f"{', '.join(SCHEME_NAMES)} or a path to a .yaml file"
+    raise ConfigError(f"{source}={text!r} is invalid; allowed: {allowed}")
