@@ -1,4 +1,4 @@
-"""The decode step of `Engine`: shape buckets, static inputs and an opt-in `torch.compile` / CUDA-graph path.
+"""The decode step of `Engine`: shape buckets, static inputs, opt-in `torch.compile` / CUDA graphs.
 
 One decode step advances the active sequences, which the engine keeps in KV-cache slots 0..B-1, by
 one token each. This module runs the model part of that step (token ids and positions in, fp32
@@ -37,8 +37,9 @@ compile error raises). Dynamo's automatic dynamic shapes compile the step a few 
 shape, then code generic in the batch and the attended length, plus torch's own specializations
 such as batch 1), not once per bucket; buckets bound the number of distinct shapes, which is what
 CUDA graphs need. ``reduce-overhead`` (CUDA only) and ``max-autotune`` on CUDA capture CUDA graphs,
-one per shape, through torch's CUDA graph trees. Inputs live in one static ``[3, bucket]`` int64 buffer per batch bucket (tokens, positions,
-row mask), filled by one host-to-device copy per step; the KV cache tensors, their scales and
+one per shape, through torch's CUDA graph trees. Inputs live in one static ``[3, bucket]`` int64
+buffer per batch bucket (tokens, positions, row mask), filled by one host-to-device copy per step;
+the KV cache tensors, their scales and
 counters and every weight are marked as static addresses, so a graph reads and writes them in
 place and sees in-place weight updates (`QuantLinear.requantize_` keeps storage) and KV scale
 updates (`KVCache.set_scales`) without re-capture. If torch skips CUDA graphs for a compiled step
@@ -62,9 +63,10 @@ CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 KV_BUCKET = 256
 """The attended KV length is padded to a multiple of this many positions."""
 RECOMPILE_LIMIT = 64
-"""Dynamo's per-function compile limit while a compiled decode step runs. The step's code is shared
-by every engine in the process (each engine adds a few entries); hitting the limit raises
-(``fail_on_recompile_limit_hit``) instead of torch's default, which is to run eagerly from then on."""
+"""Dynamo's per-function compile limit while a compiled decode step runs. The step's code is
+shared by every engine in the process (each engine adds a few entries); hitting the limit raises
+(``fail_on_recompile_limit_hit``) instead of torch's default, which is to run eagerly from then
+on."""
 
 
 def batch_bucket(batch: int, max_batch: int) -> int:
@@ -95,8 +97,9 @@ def check_compile_mode(mode: str | None, device: torch.device) -> str | None:
     if mode not in COMPILE_MODES:
         raise ConfigError(f"decode_compile={mode!r} is invalid; allowed: None (eager), {', '.join(COMPILE_MODES)}")
     if mode == "reduce-overhead" and device.type != "cuda":
-        raise UnsupportedError(f"decode_compile='reduce-overhead' captures CUDA graphs and needs a CUDA device; this engine "
-                         f"runs on {device.type}: use 'default' (or None for eager)")
+        raise UnsupportedError("decode_compile='reduce-overhead' captures CUDA graphs and needs a "
+                               f"CUDA device; this engine runs on {device.type}: use 'default' "
+                               "(or None for eager)")
     return mode
 
 
@@ -112,7 +115,8 @@ class DecodeStep:
         self.model, self.max_batch, self.max_len, self.device = model, max_batch, max_len, device
         self.mode = check_compile_mode(compile, device)
         if self.mode is not None and not buckets:
-            raise ConfigError("a compiled decode step needs buckets (static shapes); pass decode_buckets=True or None")
+            raise ConfigError("a compiled decode step needs buckets (static shapes); "
+                              "pass decode_buckets=True or None")
         self.buckets = buckets
         self.cudagraphs = self.mode in CUDAGRAPH_MODES and device.type == "cuda"
         self._inputs: dict[int, torch.Tensor] = {}
@@ -125,8 +129,8 @@ class DecodeStep:
             self._compiled = torch.compile(self._padded_forward, mode=self.mode, fullgraph=True)
 
     def __call__(self, cache: KVCache, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """fp32 logits [B, vocab] for sequence b in slot b feeding token `tokens[b]` at `positions[b]`
-        (which the step also writes into the cache)."""
+        """fp32 logits [B, vocab] for sequence b in slot b feeding token `tokens[b]` at
+        `positions[b]` (which the step also writes into the cache)."""
         if not self.buckets:
             self.shapes.add((len(tokens), max(positions) + 1))
             return self.eager(cache, tokens, positions)
@@ -169,14 +173,16 @@ class DecodeStep:
             if cache is not self._static_cache:
                 _mark_static(cache.tensors() + list(self.model.parameters()) + list(self.model.buffers()))
                 self._static_cache = cache
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten
+            # the previous step's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         skips = counters["inductor"]["cudagraph_skips"]
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
             logits = self._compiled(cache, inputs, kv_length)
         if self.cudagraphs and counters["inductor"]["cudagraph_skips"] != skips:
             raise RuntimeError(
-                f"torch.compile(mode={self.mode!r}) ran the decode step without CUDA graphs (a cudagraph skip; "
-                "TORCH_LOGS=perf_hints prints the reason); refusing to continue uncaptured")
+                f"torch.compile(mode={self.mode!r}) ran the decode step without CUDA graphs "
+                "(a cudagraph skip; TORCH_LOGS=perf_hints prints the reason); refusing to "
+                "continue uncaptured")
         return logits
 
     # ---------------------------------------------------------------- static buffers
@@ -191,8 +197,8 @@ class DecodeStep:
 
 
 def _mark_static(tensors: list[torch.Tensor]) -> None:
-    """Tell dynamo these tensors keep their address (guarded: a moved tensor recompiles), so CUDA graphs
-    use them in place instead of copying them in, and may write to them (the KV cache)."""
+    """Tell dynamo these tensors keep their address (guarded: a moved tensor recompiles), so CUDA
+    graphs use them in place instead of copying them in, and may write to them (the KV cache)."""
     for t in tensors:
         if getattr(t, "_dynamo_static_input_type", None) is None:
             torch._dynamo.mark_static_address(t, guard=True)

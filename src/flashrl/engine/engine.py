@@ -6,10 +6,6 @@ logprobs from per-request random streams), `scoring` (teacher forcing, KV diagno
 `flashrl.model` the decoder, the weight map and the fp8 KV-scale state (`KVScaleState`). One
 `generate` call is schedule -> run -> postprocess until every request is done.
 
-Seeded runs repeat exactly, and a request's tokens do not depend on which other requests share its
-batch, except where the numerics depend on the batch: per-tensor `fp8` activation scales span the
-batch, and kernels may round differently at other batch sizes. Logprobs are exact either way.
-
 FP8 KV cache (``kv_cache_dtype="fp8"``, docs/kv_cache.md): ``kv_scale="calibrated"`` recalibrates
 static scales after every `update_weights` on the most recent generated sequences, and at the first
 generate after loading on its prompts; ``"dynamic"`` scales every token and head at write time; a
@@ -94,7 +90,8 @@ class Engine:
 
         `max_prefill_tokens` caps the padded prompt tokens of one prefill forward (default
         `DEFAULT_MAX_PREFILL_TOKENS`); admitted prompts beyond it are prefilled in further
-        forwards.
+        forwards. (Over 60 lines only for these documented keyword arguments; `EngineOptions`
+        checks them.)
         """
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
@@ -114,6 +111,11 @@ class Engine:
         self.max_len, self.max_batch = opts.max_len, opts.max_batch
         self.max_prefill_tokens = opts.max_prefill_tokens
         self.progress, self.seed = progress, seed
+        self._load(load_weights, decode_compile, decode_buckets)
+
+    def _load(self, load_weights: bool, decode_compile: str | None,
+              decode_buckets: bool | None) -> None:
+        """Build the decoder, its weight map and runner; load the checkpoint and tokenizer."""
         start = time.perf_counter()
         self.model = Decoder(self.model_config, self.config.quant, self.config.skip, self.dtype,
                              self.device, max_len=self.max_len,
@@ -182,10 +184,9 @@ class Engine:
         kv_calibration = self.calibrate_kv() if self.kv.stale and len(self.kv.recent) else 0.0
         result = dict(transfer_s=transfer, requant_s=requant, kv_calibration_s=kv_calibration,
                       total_s=time.perf_counter() - start, tensors=float(len(items)))
-        for key in ("transfer_s", "requant_s"):
-            self._stats[key] += result[key]
-        self._stats["weight_updates"] += 1
-        self._stats["sync_s"] += result["total_s"]
+        for key, value in (("transfer_s", transfer), ("requant_s", requant), ("weight_updates", 1),
+                           ("sync_s", result["total_s"])):
+            self._stats[key] += value
         if count_changed:
             codes = self.weights.quantized_codes()
             result["codes_changed_frac"] = changed / codes if codes else 0.0
@@ -221,8 +222,7 @@ class Engine:
 
     @property
     def kv_scales(self) -> KVScales | None:
-        """The last calibrated fp8 KV scales (``kv_scale="calibrated"``), None before the first
-        calibration."""
+        """The last calibrated fp8 KV scales (``kv_scale="calibrated"``), else None."""
         return self.kv.scales
 
     # ------------------------------------------------------------------ generation

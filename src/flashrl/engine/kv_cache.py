@@ -19,11 +19,11 @@ an fp32 engine): the name is the config's, meaning "not quantized". With ``"fp8"
 holds ``float8_e4m3fn`` codes (1 byte per value instead of 2) plus fp32 scales, at one of three
 granularities:
 
-| granularity | scale buffers                                   | set by                                  |
-|-------------|-------------------------------------------------|-----------------------------------------|
-| ``layer``   | ``k_scale``, ``v_scale`` [num_layers, 1]        | calibration or a fixed value (`set_scales`) |
-| ``head``    | ``k_scale``, ``v_scale`` [num_layers, kv_heads] | the same, one scale per kv head         |
-| ``token``   | ``k_token_scale[layer]`` [slots, kv_heads, max_len] (and v) | every write: amax of that token and head (no calibration, never clips) |
+- ``layer``: ``k_scale``, ``v_scale`` [num_layers, 1], set by calibration or a fixed value
+  (`set_scales`);
+- ``head``: ``k_scale``, ``v_scale`` [num_layers, kv_heads], the same with one scale per kv head;
+- ``token``: ``k_token_scale[layer]`` [slots, kv_heads, max_len] (and v), set at every write: the
+  amax of that token and head (no calibration, never clips).
 
     write:  codes = e4m3(clamp(k / s, -448, 448))     fp32 math, clamp before the cast, x / s
     read:   k ~= codes * s                            in fp32, cast to the activation dtype
@@ -153,8 +153,9 @@ class KVCache:
         anything that broadcasts to it (a scalar sets every layer)."""
         if self.k_scale is None:
             raise ValueError(
-                f"set_scales needs an fp8 cache with layer or head scales; this cache is "
-                f"kv_cache_dtype={self.kv_cache_dtype!r}, scale_granularity={self.scale_granularity!r}"
+                "set_scales needs an fp8 cache with layer or head scales; this cache is "
+                f"kv_cache_dtype={self.kv_cache_dtype!r}, "
+                f"scale_granularity={self.scale_granularity!r}"
             )
         for name, new, buf in (("k_scale", k_scale, self.k_scale), ("v_scale", v_scale, self.v_scale)):
             new = torch.as_tensor(new, dtype=torch.float32, device=buf.device)
@@ -212,8 +213,8 @@ class KVCache:
     ) -> None:
         """Store one new token per active slot: k, v [B, kv_heads, head_dim] at `positions` [B] of
         slots 0..B-1. `valid` [B] marks the real rows of a padded (bucketed) decode batch: padding
-        rows write into their own free slots like any row (the engine gives them position 0 of a slot
-        no sequence owns) but are left out of the ``clipped`` / ``written`` counters."""
+        rows write into their own free slots like any row (the engine gives them position 0 of a
+        slot no sequence owns) but are left out of the ``clipped`` / ``written`` counters."""
         rows = torch.arange(k.shape[0], device=k.device)
         if not self.quantized:
             self.k[layer][rows, :, positions] = k

@@ -4,10 +4,13 @@ The distribution is `flashrl.core.sampling.process_logits` (temperature -> top-k
 returned logprob is ``log_softmax(processed logits)[token]`` in fp32.
 
 Randomness: each request (prompt i, sample j) of a `generate` call draws from its own stream,
-seeded from (seed, i, j) by `stream_seed`, one uniform number per token (inverse-CDF sampling). A
-request's tokens therefore do not depend on which other requests share its batch. The uniforms
-and the sampled logprobs of a call live in per-call device tables (`SamplingTables`), so a step
-reads and writes them with one indexing op for the whole batch.
+seeded from (seed, i, j) by `stream_seed`, one uniform number per token (inverse-CDF sampling).
+Seeded runs repeat exactly, and a request's tokens do not depend on which other requests share its
+batch, except where the numerics depend on the batch: per-tensor `fp8` activation scales span the
+batch, and kernels may round differently at other batch sizes. Logprobs are exact either way.
+
+The uniforms and the sampled logprobs of a call live in per-call device tables (`SamplingTables`),
+so a step reads and writes them with one indexing op for the whole batch.
 """
 
 from __future__ import annotations

@@ -78,21 +78,7 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{source} must be a JSON object (a Hugging Face config), got {type(raw).__name__}")
         check = _Checker(raw, source)
-        archs = raw.get("architectures") or []
-        if not isinstance(archs, list):
-            check.fail("architectures", "a list of architecture names")
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise UnsupportedError(
-                f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        family = SUPPORTED_ARCHITECTURES[arch]
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads") if k not in raw]
-        if missing:
-            raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
-        if raw.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise UnsupportedError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported; supported: silu")
+        family = _family(check)
         vocab_size = check.int("vocab_size", MAX_VOCAB)
         hidden_size = check.int("hidden_size", MAX_DIM)
         intermediate_size = check.int("intermediate_size", MAX_DIM)
@@ -101,28 +87,11 @@ class ModelConfig:
         num_kv_heads = check.int("num_key_value_heads", MAX_HEADS, default=num_heads)
         if num_heads % num_kv_heads:
             check.fail("num_key_value_heads", f"a divisor of num_attention_heads={num_heads}")
-        if raw.get("head_dim") is None:
-            if hidden_size % num_heads:
-                check.fail("hidden_size", f"a multiple of num_attention_heads={num_heads} (or give head_dim)")
-            head_dim = hidden_size // num_heads
-            if head_dim % 2:
-                check.fail("hidden_size", f"hidden_size / num_attention_heads even (RoPE pairs), not {head_dim}")
-        else:
-            head_dim = check.int("head_dim", MAX_HEAD_DIM)
-            if head_dim % 2:
-                check.fail("head_dim", "an even integer (RoPE rotates pairs)")
+        head_dim = _head_dim(check, hidden_size, num_heads)
         rope_theta, rope_scaling = _rope_fields(raw, source)
         if family == "qwen2" and raw.get("use_sliding_window"):
             raise UnsupportedError(f"{source}: Qwen2 with use_sliding_window=true is not supported")
-        eos_ids = token_ids(raw.get("eos_token_id"))
-        if eos_ids is None:
-            check.fail("eos_token_id", TOKEN_IDS_ALLOWED)
-        single_ids = {}
-        for key in ("bos_token_id", "pad_token_id"):
-            ids = token_ids(raw.get(key))
-            if ids is None or isinstance(raw.get(key), list):
-                check.fail(key, "a token id (an integer >= 0) or null")
-            single_ids[key] = ids[0] if ids else None
+        eos_ids, single_ids = _special_ids(check)
         sliding_window = None
         if family == "mistral" and raw.get("sliding_window") is not None:
             sliding_window = check.int("sliding_window", 2**31 - 1)
@@ -182,8 +151,8 @@ def read_json(path: Path) -> Any:
 
 
 def token_ids(value: Any) -> tuple[int, ...] | None:
-    """`value` (null, a token id or a list of them) as a tuple of ids; None when it is anything else.
-    Ids beyond the vocabulary are kept (harmless: such a token is never sampled)."""
+    """`value` (null, a token id or a list of them) as a tuple of ids; None when it is anything
+    else. Ids beyond the vocabulary are kept (harmless: such a token is never sampled)."""
     if value is None:
         return ()
     values = value if isinstance(value, list) else [value]
@@ -198,6 +167,60 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _family(check: _Checker) -> str:
+    """The model family of a supported architecture with the fields every family needs."""
+    raw, source = check.raw, check.source
+    archs = raw.get("architectures") or []
+    if not isinstance(archs, list):
+        check.fail("architectures", "a list of architecture names")
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise UnsupportedError(
+            f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads")
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
+    if raw.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise UnsupportedError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported; "
+                               "supported: silu")
+    return SUPPORTED_ARCHITECTURES[arch]
+
+
+def _head_dim(check: _Checker, hidden_size: int, num_heads: int) -> int:
+    """``head_dim``, or hidden_size / num_attention_heads; even (RoPE rotates pairs)."""
+    if check.raw.get("head_dim") is None:
+        if hidden_size % num_heads:
+            check.fail("hidden_size", f"a multiple of num_attention_heads={num_heads} "
+                                      "(or give head_dim)")
+        head_dim = hidden_size // num_heads
+        if head_dim % 2:
+            check.fail("hidden_size", "hidden_size / num_attention_heads even (RoPE pairs), "
+                                      f"not {head_dim}")
+        return head_dim
+    head_dim = check.int("head_dim", MAX_HEAD_DIM)
+    if head_dim % 2:
+        check.fail("head_dim", "an even integer (RoPE rotates pairs)")
+    return head_dim
+
+
+def _special_ids(check: _Checker) -> tuple[tuple[int, ...], dict[str, int | None]]:
+    """The EOS ids (one or a list) and the single BOS and PAD ids (or None)."""
+    eos_ids = token_ids(check.raw.get("eos_token_id"))
+    if eos_ids is None:
+        check.fail("eos_token_id", TOKEN_IDS_ALLOWED)
+    single_ids = {}
+    for key in ("bos_token_id", "pad_token_id"):
+        ids = token_ids(check.raw.get(key))
+        if ids is None or isinstance(check.raw.get(key), list):
+            check.fail(key, "a token id (an integer >= 0) or null")
+        single_ids[key] = ids[0] if ids else None
+    return eos_ids, single_ids
 
 
 class _Checker:
@@ -261,7 +284,8 @@ def _rope_fields(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim / 2] (fp32) and the attention scaling of the rope type
-    (yarn's mscale; 1 otherwise). Formulas follow the Llama 3 and YaRN papers as transformers does."""
+    (yarn's mscale; 1 otherwise). Formulas follow the Llama 3 and YaRN papers as transformers
+    does."""
     dim, base, params = config.head_dim, config.rope_theta, config.rope_scaling
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     rope_type = config.rope_type

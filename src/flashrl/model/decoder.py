@@ -27,18 +27,19 @@ GATE_UP_SHARDS = ("gate_proj", "up_proj")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Attention output [B, heads, T, D] for q [B, heads, T, D] and k, v [B, kv_heads, S, D] (GQA: each
-    kv head serves heads // kv_heads consecutive query heads); `mask` [B or 1, 1, T, S] (True =
-    attend) or None for causal.
+    """Attention output [B, heads, T, D] for q [B, heads, T, D] and k, v [B, kv_heads, S, D] (GQA:
+    each kv head serves heads // kv_heads consecutive query heads); `mask` [B or 1, 1, T, S]
+    (True = attend) or None for causal.
 
-    Decode (T == 1) with GQA runs grouped: the query heads of one kv head become that kv head's query
-    rows, q viewed as [B, kv_heads, group, D] against k, v as they are, so SDPA sees no GQA. On CUDA,
-    PyTorch's SDPA supports GQA only in its flash kernel, which takes no mask, and in its math
-    kernel, which copies K and V `group` times (in fp32 for bf16 inputs) at every step; the grouped
-    form with a mask can run the memory-efficient (or cuDNN) kernel over the cache as stored. On the
-    CPU both forms run at the same speed (tiny-bench decode, within run-to-run noise); one form on
-    every device keeps the path the CPU tests check the one a GPU runs. Same result as the GQA call
-    up to float summation order (tests/test_engine.py::test_attend_equals_float64_reference)."""
+    Decode (T == 1) with GQA runs grouped: the query heads of one kv head become that kv head's
+    query rows, q viewed as [B, kv_heads, group, D] against k, v as they are, so SDPA sees no GQA.
+    On CUDA, PyTorch's SDPA supports GQA only in its flash kernel, which takes no mask, and in its
+    math kernel, which copies K and V `group` times (in fp32 for bf16 inputs) at every step; the
+    grouped form with a mask can run the memory-efficient (or cuDNN) kernel over the cache as
+    stored. On the CPU both forms run at the same speed (tiny-bench decode, within run-to-run
+    noise); one form on every device keeps the path the CPU tests check the one a GPU runs. Same
+    result as the GQA call up to float summation order
+    (tests/test_engine.py::test_attend_equals_float64_reference)."""
     b, heads, t, d = q.shape
     kv_heads = k.shape[1]
     if t == 1 and heads != kv_heads:
@@ -113,9 +114,10 @@ class Attention(nn.Module):
             cache.write_decode(self.layer, batch.positions[:, 0], k[:, :, 0], v[:, :, 0], valid=valid)
             k, v = cache.read(self.layer, b, batch.kv_length)
         elif cache is not None:
-            # Attention always uses K/V as the cache stores them: with an fp8 cache, the prefill too
-            # attends over the dequantized codes, so a token's logits do not depend on whether it was
-            # prefilled or decoded (as in vLLM, whose prefill reads the cache). Q is never quantized.
+            # Attention always uses K/V as the cache stores them: with an fp8 cache, the prefill
+            # too attends over the dequantized codes, so a token's logits do not depend on whether
+            # it was prefilled or decoded (as in vLLM, whose prefill reads the cache). Q is never
+            # quantized.
             k, v = cache.write_prefill(self.layer, batch.slots, k, v)
         out = attend(q, k.to(q.dtype), v.to(q.dtype), batch.mask, self.scale)
         return self.o_proj(masked_rows(out.transpose(1, 2).reshape(b, t, c.q_size), batch))
@@ -151,7 +153,7 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """The whole causal LM. Module names mirror the Hugging Face ones, with q/k/v and gate/up fused."""
+    """The whole causal LM. Module names mirror the Hugging Face ones, q/k/v and gate/up fused."""
 
     def __init__(
         self,
@@ -169,7 +171,8 @@ class Decoder(nn.Module):
         bf16 = get_scheme("bf16")
 
         def scheme_for(name: str, hf_names: list[str]) -> QuantScheme:
-            """A fused layer stays in high precision if its own name or any shard's HF name is skipped."""
+            """A fused layer stays in high precision if its own name or a shard's HF name is
+            skipped."""
             return bf16 if matches_any(name, skip) or any(matches_any(n, skip) for n in hf_names) else scheme
 
         self.config, self.dtype, self.lm_head_fp32 = config, dtype, lm_head_fp32

@@ -131,7 +131,8 @@ class KVAmaxObserver:
             raise ConfigError(f"granularity={granularity!r} is invalid for static scales; allowed: layer, head")
         amax = (self.k_amax, self.v_amax) + ((self.q_amax,) if self.q_amax is not None else ())
         if not all(bool(torch.isfinite(a).all()) for a in amax):
-            raise ValueError("KV calibration saw non-finite K, V or Q values: the model weights produce NaN or Inf")
+            raise ValueError("KV calibration saw non-finite K, V or Q values: the model weights "
+                             "produce NaN or Inf")
         k, v = self.k_amax, self.v_amax
         if granularity == "layer":
             k, v = k.amax(1, keepdim=True), v.amax(1, keepdim=True)
@@ -244,8 +245,9 @@ def calibrate_from_weights(
     """The statistics of `calibrate_model`, computed from Hugging Face named tensors one decoder
     layer at a time (peak memory: the embedding plus one layer, quantized with `scheme`).
 
-    `get_tensor(name)` returns a checkpoint tensor by name, e.g. ``dict(trainer_params).__getitem__``
-    or `checkpoint_getter` (which raises a `CheckpointError` naming a tensor the checkpoint lacks).
+    `get_tensor(name)` returns a checkpoint tensor by name, e.g.
+    ``dict(trainer_params).__getitem__`` or `checkpoint_getter` (which raises a `CheckpointError`
+    naming a tensor the checkpoint lacks).
     """
     seqs = _check_sequences(sequences, config.vocab_size, config.max_position_embeddings)
     device = torch.device(device)
@@ -273,7 +275,7 @@ def calibrate_from_weights(
 
 
 def calibration_tensor_names(config: ModelConfig) -> list[str]:
-    """The Hugging Face tensors `calibrate_from_weights` reads (embedding and every decoder layer)."""
+    """The Hugging Face tensors `calibrate_from_weights` reads (embedding, every decoder layer)."""
     one = dataclasses.replace(config, num_layers=1, tie_word_embeddings=True)
     per_layer = sorted(n.removeprefix("model.layers.0.") for n in WeightMap(Decoder(one, device="meta", max_len=1)).expected
                        if n.startswith("model.layers.0."))
@@ -281,7 +283,7 @@ def calibration_tensor_names(config: ModelConfig) -> list[str]:
 
 
 def checkpoint_getter(model_dir: str | Path) -> Callable[[str], torch.Tensor]:
-    """``get_tensor(name)`` reading single tensors lazily from the safetensors files of `model_dir`."""
+    """``get_tensor(name)`` reading single tensors lazily from the safetensors of `model_dir`."""
     from safetensors import safe_open
 
     where: dict[str, Path] = {}

@@ -4,14 +4,17 @@ The same `WeightMap` serves checkpoint loading and per-step weight sync from a t
 name resolves to a `Target` (engine module, which shard of a fused layer, weight or bias), and
 `apply` writes it in place, re-quantizing quantized layers with fresh scales. Mapping (per layer i):
 
-| Hugging Face name                                  | engine module                        | shard |
-|----------------------------------------------------|--------------------------------------|-------|
-| model.layers.i.self_attn.{q,k,v}_proj.{weight,bias}| model.layers.i.self_attn.qkv_proj    | 0,1,2 |
-| model.layers.i.self_attn.o_proj.{weight,bias}      | model.layers.i.self_attn.o_proj      |       |
-| model.layers.i.self_attn.{q,k}_norm.weight         | same (Qwen3)                         |       |
-| model.layers.i.mlp.{gate,up}_proj.{weight,bias}    | model.layers.i.mlp.gate_up_proj      | 0,1   |
-| model.layers.i.mlp.down_proj.{weight,bias}         | model.layers.i.mlp.down_proj         |       |
-| model.layers.i.{input,post_attention}_layernorm.weight, model.norm.weight, model.embed_tokens.weight, lm_head.weight | same | |
+| Hugging Face name (``model.layers.i.`` ...) | decoder module (``layers.i.`` ...) | shard |
+|---------------------------------------------|------------------------------------|-------|
+| self_attn.{q,k,v}_proj.{weight,bias}        | self_attn.qkv_proj                 | 0,1,2 |
+| self_attn.o_proj.{weight,bias}              | self_attn.o_proj                   |       |
+| self_attn.{q,k}_norm.weight                 | same (Qwen3)                       |       |
+| mlp.{gate,up}_proj.{weight,bias}            | mlp.gate_up_proj                   | 0,1   |
+| mlp.down_proj.{weight,bias}                 | mlp.down_proj                      |       |
+| {input,post_attention}_layernorm.weight     | same                               |       |
+
+``model.norm.weight``, ``model.embed_tokens.weight`` and ``lm_head.weight`` map to the decoder's
+``norm``, ``embed_tokens`` and ``lm_head``.
 
 With tied embeddings `lm_head.weight` is optional and `model.embed_tokens.weight` also feeds the
 head (a separate fp32 copy when `lm_head_fp32`). `*.rotary_emb.inv_freq` buffers are ignored.
@@ -62,8 +65,9 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     if found:
         return [path / name for name in found]
     raise FileNotFoundError(
-        f"{path} has no safetensors weights (expected model.safetensors or model.safetensors.index.json); "
-        f"PyTorch .bin checkpoints are not supported, convert them with save_pretrained(safe_serialization=True)"
+        f"{path} has no safetensors weights (expected model.safetensors or "
+        "model.safetensors.index.json); PyTorch .bin checkpoints are not supported, convert them "
+        "with save_pretrained(safe_serialization=True)"
     )
 
 
@@ -84,8 +88,8 @@ def _index_shards(index: Path) -> list[Path]:
 
 
 def iter_checkpoint_files(model_dir: str | Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
-    """Yield (file, name, tensor) one tensor at a time, file by file (peak memory: one tensor). A file
-    that is empty, truncated or not safetensors raises a `CheckpointError` naming it."""
+    """Yield (file, name, tensor) one tensor at a time, file by file (peak memory: one tensor). A
+    file that is empty, truncated or not safetensors raises a `CheckpointError` naming it."""
     for file in checkpoint_files(model_dir):
         try:
             with safe_open(str(file), framework="pt") as handle:
@@ -105,7 +109,8 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
 
 @dataclass(frozen=True)
 class Target:
-    """Where one HF tensor goes: `module` (engine name), `kind` ("weight", "bias", "param"), `shard`."""
+    """Where one HF tensor goes: `module` (decoder name), `kind` ("weight", "bias", "param"),
+    `shard`."""
 
     module: str
     kind: str
@@ -141,7 +146,7 @@ class WeightMap:
         return names
 
     def resolve(self, name: str) -> list[Target]:
-        """The engine target(s) of HF tensor `name`; raises a `WeightError` naming it when unknown."""
+        """The decoder target(s) of HF tensor `name`; a `WeightError` naming it when unknown."""
         if not isinstance(name, str) or (
             name not in self.expected and not (name == "lm_head.weight" and self.model.config.tie_word_embeddings)
         ):
@@ -175,7 +180,8 @@ class WeightMap:
         if not isinstance(tensor, torch.Tensor):
             raise WeightError(f"tensor {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.layout != torch.strided:
-            raise WeightError(f"tensor {name!r} has layout {tensor.layout}; only dense (strided) tensors are allowed")
+            raise WeightError(f"tensor {name!r} has layout {tensor.layout}; only dense (strided) "
+                              "tensors are allowed")
         if tensor.dtype not in WEIGHT_DTYPES:
             raise WeightError(f"tensor {name!r} has dtype {tensor.dtype}; "
                               "allowed: float32, bfloat16, float16 or float64")
@@ -203,9 +209,9 @@ class WeightMap:
 
     @torch.no_grad()
     def apply(self, name: str, tensor: torch.Tensor, count_changed: bool = False, checked: bool = False) -> int:
-        """Write one HF tensor into the engine in place (validated first unless `checked`: the caller
-        ran `check` on it); with `count_changed`, returns how many quantized codes changed (0 for
-        layers kept in high precision)."""
+        """Write one HF tensor into the decoder in place (validated first unless `checked`: the
+        caller ran `check` on it); with `count_changed`, returns how many quantized codes changed
+        (0 for layers kept in high precision)."""
         changed = 0
         for target in self.resolve(name) if checked else self.check(name, tensor):
             module = self._module(target)
@@ -220,7 +226,8 @@ class WeightMap:
 
     @torch.no_grad()
     def write(
-        self, items: list[tuple[str, torch.Tensor]], device: torch.device, count_changed: bool = False
+        self, items: list[tuple[str, torch.Tensor]], device: torch.device,
+        count_changed: bool = False,
     ) -> tuple[float, float, int]:
         """`apply` tensors that `check` accepted, each copied to `device` first; returns seconds
         copying, seconds writing (re-quantizing) and, with `count_changed`, the quantized codes
@@ -288,9 +295,10 @@ class WeightMap:
 
 
 def check_finite(name: str, tensor: torch.Tensor) -> None:
-    """Raise a `WeightError` if `tensor` holds NaN or Inf. amax and amin are two reductions without a
-    temporary the size of the tensor; NaN propagates into both and an Inf is one of them, so the
-    common (finite) path costs one small device-to-host copy. The full count runs only on failure."""
+    """Raise a `WeightError` if `tensor` holds NaN or Inf. amax and amin are two reductions without
+    a temporary the size of the tensor; NaN propagates into both and an Inf is one of them, so the
+    common (finite) path costs one small device-to-host copy. The full count runs only on
+    failure."""
     if tensor.numel() == 0:
         return
     ends = torch.stack([tensor.amax(), tensor.amin()])
@@ -299,5 +307,5 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
     bad = ~torch.isfinite(tensor)
     count = int(bad.sum())
     first = tuple(int(i) for i in bad.nonzero()[0].tolist())
-    raise WeightError(f"tensor {name!r} contains {count} non-finite value(s) (NaN or Inf), first at index {first}; "
-                      f"weights must be finite")
+    raise WeightError(f"tensor {name!r} contains {count} non-finite value(s) (NaN or Inf), first "
+                      f"at index {first}; weights must be finite")
