@@ -31,10 +31,10 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
-from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
-from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import replace_parameter, set_weight_attrs
 from vllm.platforms import current_platform
@@ -44,6 +44,7 @@ from flashrl.quant.gemm import check_gemm_shape, scaled_linear
 from flashrl.quant.linear import DEFAULT_SKIP, QuantLinear, matches_any
 from flashrl.quant.schemes import get_scheme
 from flashrl.vllm_backend import direct_load, kernels
+from flashrl.vllm_backend.dense_methods import FlashRLDenseLinearMethod, FlashRLEmbeddingMethod
 from flashrl.vllm_backend.direct_load import PROCESSED_FLAG, clear_staging, make_bias_loader, make_weight_loader
 from flashrl.vllm_backend.names import METHOD_NAMES
 
@@ -246,69 +247,6 @@ class FlashRLLinearMethod(LinearMethodBase):
             scale = layer.weight_scale
         return flashrl_scaled_linear(x, layer.weight, scale, bias, self.scheme.name, layer.logical_widths,
                                      getattr(layer, "flashrl_kernel_id", -1))
-
-
-# ------------------------------------------------------------------------------------------------
-# layers kept in high precision
-# ------------------------------------------------------------------------------------------------
-
-_embedding_loads = [0]
-"""Loads into any embedding / LM-head weight of a flashrl model in this process; an LM head whose
-packed CPU kernel predates the latest load repacks before its next use."""
-
-
-def _count_embedding_load() -> None:
-    _embedding_loads[0] += 1
-
-
-class FlashRLEmbeddingMethod(UnquantizedEmbeddingMethod):
-    """Embeddings and the LM head, in high precision as vLLM's unquantized method keeps them, plus:
-
-    - incoming tensors are validated (`direct_load.check_incoming`);
-    - on CPU, vLLM packs the LM head into a oneDNN handle at load time; a tied head receives no
-      tensor of its own when the embedding is loaded directly, so the handle would keep the old
-      embedding. `apply` repacks whenever an embedding or LM-head load happened since the pack;
-    - `apply` runs eagerly before every sampling step (vLLM computes logits outside the compiled
-      model), so it is where incomplete direct loads are reported (`direct_load.report_pending`).
-    """
-
-    def create_weights(self, layer: torch.nn.Module, *args: Any, **extra_weight_attrs: Any) -> None:
-        vllm_loader = extra_weight_attrs.pop("weight_loader")
-        checked = direct_load.make_checked_loader(layer, vllm_loader, _count_embedding_load)
-        super().create_weights(layer, *args, weight_loader=checked, **extra_weight_attrs)
-
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        super().process_weights_after_loading(layer)
-        layer.flashrl_packed_loads = _embedding_loads[0]
-
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        direct_load.on_step()
-        if current_platform.is_cpu() and getattr(layer, "flashrl_packed_loads", None) != _embedding_loads[0]:
-            super().process_weights_after_loading(layer)
-            layer.flashrl_packed_loads = _embedding_loads[0]
-            logger.info("%s: repacked the CPU LM-head kernel after a weight load", getattr(layer, "prefix", "lm_head"))
-        return super().apply(layer, x, bias)
-
-
-class FlashRLDenseLinearMethod(UnquantizedLinearMethod):
-    """Linear layers a skip list keeps in high precision: vLLM's unquantized method with validated
-    loads, except on CPU, where vLLM packs the weight into a oneDNN handle and drops
-    ``layer.weight`` (no direct ``load_weights`` could reach it): the weight stays a plain tensor
-    and the forward is ``F.linear``."""
-
-    def create_weights(self, layer: torch.nn.Module, *args: Any, **extra_weight_attrs: Any) -> None:
-        vllm_loader = extra_weight_attrs.pop("weight_loader")
-        super().create_weights(layer, *args, weight_loader=direct_load.make_checked_loader(layer, vllm_loader),
-                               **extra_weight_attrs)
-
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        if not current_platform.is_cpu():
-            super().process_weights_after_loading(layer)
-
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if current_platform.is_cpu():
-            return torch.nn.functional.linear(x, layer.weight, bias)
-        return super().apply(layer, x, bias)
 
 
 # ------------------------------------------------------------------------------------------------
