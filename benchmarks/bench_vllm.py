@@ -30,6 +30,7 @@ multi-process executor only) and drops torch to 1 thread at start-up unless ``OM
 is set; ``--threads N`` sets ``OMP_NUM_THREADS`` (before torch is imported) and torch's threads.
 
     python benchmarks/bench_vllm.py --threads 1 --json benchmarks/results/vllm_cpu_t1.json
+    python benchmarks/bench_vllm.py --rows none --sync-profile    # sync paths only, with a cProfile each
     python benchmarks/bench_vllm.py --rows bf16,flashrl_int8 --sync none --repeats 1   # quick look
 """
 
@@ -313,6 +314,7 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
         for path in paths:
             runs[path].append(run(path))
             print(f"sync repeat {repeat} {path}: {runs[path][-1]['s']:.3f} s", flush=True)
+    profiles = {path: profile_sync(run, path) for path in args.sync_paths} if args.sync_profile else {}
     same = tokens() == before
     copy_s = statistics.median(r["s"] for r in runs["copy"])
     results = []
@@ -321,10 +323,28 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
         results.append({"path": path, "s": med["s"], "GBps": nbytes / med["s"] / 1e9, "vs_copy": med["s"] / copy_s,
                         "commit_s": med.get("commit_s"), "requant_s": med.get("requant_s"),
                         "layers": med.get("layers"), "runs_s": [r["s"] for r in runs[path]],
-                        "outputs_unchanged": same if path != "copy" else None})
+                        "outputs_unchanged": same if path != "copy" else None, "profile": profiles.get(path)})
     print(f"sync: {len(state)} {args.sync_dtype} tensors, {nbytes / 1e9:.3f} GB; outputs after all syncs of the "
           f"same weights equal those before: {same}", flush=True)
     return results
+
+
+def profile_sync(run: Any, path: str, top: int = 8) -> list[dict[str, Any]]:
+    """cProfile one more sync through `path`: the functions with the most own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run(path)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    ranked = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    rows = [{"function": f"{Path(k[0]).name}:{k[1]}({k[2]})" if k[0] != "~" else k[2], "calls": v[0],
+             "own_s": v[2], "cumulative_s": v[3]} for k, v in ranked]
+    for r in rows:
+        print(f"  sync {path}: {r['own_s']:.3f} s own, {r['calls']} calls: {r['function']}", flush=True)
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------
@@ -363,6 +383,7 @@ def main() -> None:
     parser.add_argument("--kv-mib", type=int, default=256, help="KV cache per engine (kv_cache_memory_bytes)")
     parser.add_argument("--sync", default=",".join(SYNC_PATHS), help=f"load paths to time: {', '.join(SYNC_PATHS)}")
     parser.add_argument("--sync-repeats", type=int, default=3)
+    parser.add_argument("--sync-profile", action="store_true", help="cProfile one more sync per path (top functions)")
     parser.add_argument("--sync-dtype", default="bf16", choices=("bf16", "fp32"), help="dtype of the pushed tensors")
     parser.add_argument("--profile-steps", type=int, default=0, help="torch.profiler over this many decode steps")
     parser.add_argument("--layers", type=int, default=QWEN25_05B["num_hidden_layers"],
