@@ -1,0 +1,33 @@
+"""`direct_load.check_incoming`, the gate every tensor passes before it reaches a vLLM layer (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashrl.errors import WeightError
+from flashrl.vllm_backend.direct_load import check_incoming
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_non_finite_values_are_refused_with_a_count(value, dtype):
+    tensor = torch.randn(6, 7).to(dtype)
+    tensor[4, 2] = value
+    with pytest.raises(WeightError, match=r"layer\.w: refusing a tensor with 1 NaN/Inf value\(s\) of 42"):
+        check_incoming(tensor, "layer.w")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (torch.ones(3, dtype=torch.int32), "dtype torch.int32; weights must be floating point"),
+    (torch.empty(3, device="meta"), "meta device"),
+    ([1.0, 2.0], "expected a torch.Tensor, got list"),
+])
+def test_wrong_kinds_of_tensor_are_refused(bad, match):
+    with pytest.raises(WeightError, match=match):
+        check_incoming(bad, "layer.w")
+
+
+def test_finite_tensors_pass():
+    check_incoming(torch.randn(4, 4, dtype=torch.bfloat16), "layer.w")
+    check_incoming(torch.empty(0), "layer.w")
