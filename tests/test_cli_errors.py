@@ -1,6 +1,6 @@
 """The `flashrl` command's error contract: a bad input gives one line `flashrl <cmd>: error: <message>` and
 exit code 2 before any work starts; a bug in flashrl (a plain KeyError / ValueError / TypeError) keeps its
-traceback. Every test here runs `flashrl.cli.main` in-process; none loads a real model unless it says so."""
+traceback. Every test here runs `flashrl.tools.cli.main` in-process; none loads a real model unless it says so."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-import flashrl.bench
-import flashrl.cli as cli
 import flashrl.engine
-import flashrl.profile
-import flashrl.verify
-from flashrl.cli import UserError, main
+import flashrl.tools.bench
+import flashrl.tools.cli as cli
+import flashrl.tools.profile
+import flashrl.tools.setup
+import flashrl.tools.verify
+from flashrl.tools.cli import UserError, main
 from flashrl.core.env import ENV_VARS
 from flashrl.errors import CheckpointError, ConfigError, FlashRLError, InputError, UnsupportedError, WeightError
 
@@ -132,10 +133,10 @@ def test_setup_refuses_to_overwrite_its_profile(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command, argv, module, attr", [
-    ("bench", ["--random-weights", "qwen2.5-0.5b", "--device", "cpu"], flashrl.bench, "run_bench"),
-    ("profile", ["--model", "m", "--device", "cpu"], flashrl.profile, "run_profile"),
-    ("setup", ["--profile", "p.json"], flashrl.profile, "run_setup"),
-    ("verify", ["--device", "cpu"], flashrl.verify, "run_verify"),
+    ("bench", ["--random-weights", "qwen2.5-0.5b", "--device", "cpu"], flashrl.tools.bench, "run_bench"),
+    ("profile", ["--model", "m", "--device", "cpu"], flashrl.tools.profile, "run_profile"),
+    ("setup", ["--profile", "p.json"], flashrl.tools.setup, "run_setup"),
+    ("verify", ["--device", "cpu"], flashrl.tools.verify, "run_verify"),
 ])
 def test_bad_out_paths_fail_before_the_work(command, argv, module, attr, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(module, attr, _fail_if_called)
@@ -161,14 +162,14 @@ def test_bad_out_paths_fail_before_the_work(command, argv, module, attr, tmp_pat
 @pytest.mark.parametrize("flag, value", [("--batch", "0"), ("--output-len", "-1"), ("--prompt-len", "0"),
                                          ("--max-prefill-tokens", "0"), ("--threads", "0")])
 def test_bench_sizes_are_checked(flag, value, monkeypatch, capsys):
-    monkeypatch.setattr(flashrl.bench, "_bench_engine", _fail_if_called)
+    monkeypatch.setattr(flashrl.tools.bench, "_bench_engine", _fail_if_called)
     assert main(["bench", "--random-weights", "qwen2.5-0.5b", "--device", "cpu", "--out", "", flag, value]) == 2
     assert one_line_error(capsys, "bench").startswith(f"{flag} {value}")
 
 
 def test_bench_and_profile_refuse_out_equal_to_an_input(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(flashrl.bench, "run_bench", _fail_if_called)
-    monkeypatch.setattr(flashrl.profile, "run_profile", _fail_if_called)
+    monkeypatch.setattr(flashrl.tools.bench, "run_bench", _fail_if_called)
+    monkeypatch.setattr(flashrl.tools.profile, "run_profile", _fail_if_called)
     config = tmp_path / "config.json"
     config.write_text("{}")
     assert main(["bench", "--random-weights", str(config), "--out", str(config)]) == 2
@@ -182,7 +183,7 @@ def test_bench_and_profile_refuse_out_equal_to_an_input(tmp_path, monkeypatch, c
 
 def minimal_profile(path):
     """The smallest file `flashrl setup` accepts: one scheme, no layers, no measured mismatch."""
-    from flashrl.profile import SCHEMA_VERSION
+    from flashrl.tools.profile import SCHEMA_VERSION
     from flashrl.quant.linear import DEFAULT_SKIP
 
     doc = {"schema_version": SCHEMA_VERSION, "layers": [],
@@ -230,11 +231,11 @@ def no_training(monkeypatch):
 
 @pytest.mark.parametrize("text, expected", [
     ("steps: [10\n", ["not valid YAML"]),
-    ("steps: \"ten\"\n", ["steps='ten'", "an integer"]),
-    ("lr: [1]\n", ["lr=[1]", "a number"]),
-    ("steps: true\n", ["steps=True", "an integer"]),
-    ("plot: 3\n", ["plot=3", "true or false"]),
-    ("lr: .nan\n", ["lr=nan", "a number"]),
+    ("run: {steps: \"ten\"}\n", ["steps='ten'", "an integer"]),
+    ("algo: {lr: [1]}\n", ["lr=[1]", "a number"]),
+    ("run: {steps: true}\n", ["steps=True", "an integer"]),
+    ("run: {plot: 3}\n", ["plot=3", "true or false"]),
+    ("algo: {lr: .nan}\n", ["lr=nan", "a number"]),
     ("model: [a, b]\n", ["model=['a', 'b']", "a string"]),
     ("- steps\n", ["expected a mapping of TrainConfig fields, got list"]),
     ("1: 2\n", ["unknown config key(s)", "1"]),
@@ -267,21 +268,22 @@ def test_train_config_directory_and_missing_file(tmp_path, capsys, no_training):
 
 
 def test_train_overrides_name_the_flag(capsys, no_training):
-    assert main(["train", "--steps", "ten"]) == 2
+    assert main(["train", "--run.steps", "ten"]) == 2
     assert "steps='ten' is not an integer" in one_line_error(capsys, "train")
-    assert main(["train", "--lr", "nan"]) == 2
+    assert main(["train", "--algo.lr", "nan"]) == 2
     assert "lr='nan'" in one_line_error(capsys, "train")
 
 
 def test_train_config_values_of_the_right_type_still_load(tmp_path):
-    from flashrl.rl.config import build_config
+    from flashrl.rl.config_build import build_config
 
     path = tmp_path / "ok.yaml"
-    path.write_text("steps: 3\nlr: 1\nplot: false\nrejection_thresholds: 0.01\nrejection: seq_mean_k3\n"
-                    "vllm_kwargs: {enforce_eager: true}\n")
+    path.write_text("run:\n  steps: 3\n  plot: false\n  vllm_kwargs: {enforce_eager: true}\nalgo:\n  lr: 1\n"
+                    "correction:\n  rejection_thresholds: 0.01\n  rejection: seq_mean_k3\n")
     config = build_config("tiny-cpu", str(path), {})
-    assert (config.steps, config.lr, config.plot, config.rejection_thresholds) == (3, 1.0, False, "0.01")
-    assert isinstance(config.lr, float) and json.loads(config.vllm_kwargs) == {"enforce_eager": True}
+    assert (config.run.steps, config.algo.lr, config.run.plot, config.correction.rejection_thresholds) == \
+        (3, 1.0, False, (0.01,))
+    assert isinstance(config.algo.lr, float) and json.loads(config.run.vllm_kwargs) == {"enforce_eager": True}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -338,16 +340,17 @@ def test_cuda_device_without_cuda_is_one_line(command, argv, monkeypatch, capsys
     import flashrl.rl.run
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for module, attr in [(flashrl.verify, "run_verify"), (flashrl.bench, "run_bench"), (flashrl.engine, "Engine"),
-                         (flashrl.profile, "run_profile"), (flashrl.rl.run, "run")]:
+    for module, attr in [(flashrl.tools.verify, "run_verify"), (flashrl.tools.bench, "run_bench"),
+                         (flashrl.engine, "Engine"), (flashrl.tools.profile, "run_profile"), (flashrl.rl.run, "run")]:
         monkeypatch.setattr(module, attr, _fail_if_called)
     monkeypatch.chdir(tmp_path)
-    assert main([command, *argv, "--device", "cuda"]) == 2
+    device_flag = "--run.device" if command == "train" else "--device"
+    assert main([command, *argv, device_flag, "cuda"]) == 2
     assert "CUDA is not available" in one_line_error(capsys, command)
 
 
 def test_device_names_are_checked(capsys, monkeypatch):
-    monkeypatch.setattr(flashrl.verify, "run_verify", _fail_if_called)
+    monkeypatch.setattr(flashrl.tools.verify, "run_verify", _fail_if_called)
     assert main(["verify", "--device", "gpu"]) == 2
     assert "--device 'gpu' is invalid" in one_line_error(capsys, "verify")
 
@@ -372,6 +375,6 @@ def test_bad_environment_variables_are_config_errors(name, value, monkeypatch, c
         from_env()
         configure_logging()
         get_mode()
-    monkeypatch.setattr(flashrl.verify, "run_verify", _fail_if_called)
+    monkeypatch.setattr(flashrl.tools.verify, "run_verify", _fail_if_called)
     assert main(["verify", "--device", "cpu"]) == 2
     assert name in one_line_error(capsys, "verify")

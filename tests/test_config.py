@@ -330,7 +330,7 @@ def test_import_configures_nothing_and_never_fails_on_bad_values():
 
 
 def test_cli_reports_bad_variables(flashrl_logger, monkeypatch, capsys, tmp_path):
-    from flashrl.cli import main
+    from flashrl.tools.cli import main
 
     monkeypatch.setenv("FLASHRL_LOGGING_LEVEL", "loud")
     assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 2

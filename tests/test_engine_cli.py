@@ -1,4 +1,4 @@
-"""`flashrl generate` and `flashrl bench` through `flashrl.cli.main`, on a tiny checkpoint loaded by the
+"""`flashrl generate` and `flashrl bench` through `flashrl.tools.cli.main`, on a tiny checkpoint loaded by the
 real loader: what they print and write is checked against the engine itself.
 
 Tolerance: logprobs printed by `generate` equal `Engine.score` of the same tokens to 1e-5 (fp32 engine;
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from flashrl.cli import main
+from flashrl.tools.cli import main
 from flashrl.core.env import ENV_VARS
 from flashrl.engine import Engine
 

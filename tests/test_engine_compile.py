@@ -222,7 +222,7 @@ def test_compile_options_are_checked(tiny_models):
 
 
 def test_bench_compile_modes():
-    from flashrl.bench import parse_compile_modes
+    from flashrl.tools.bench import parse_compile_modes
 
     assert parse_compile_modes("none, default,none") == [None, "default"]
     with pytest.raises(ValueError, match="--compile 'fast' is invalid; allowed: a comma-separated list of none, default"):

@@ -92,8 +92,9 @@ def test_kernel_environment_errors(monkeypatch):
 
 
 def test_profile_and_bench_input_files(tmp_path):
-    from flashrl.bench import random_model_dir
-    from flashrl.profile import load_profile, read_prompts_file
+    from flashrl.tools.bench import random_model_dir
+    from flashrl.tools.calibration_prompts import read_prompts_file
+    from flashrl.tools.setup import load_profile
 
     with pytest.raises(InputError, match="is a directory"):
         read_prompts_file(tmp_path)

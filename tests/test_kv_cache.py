@@ -468,12 +468,12 @@ def test_engine_reads_kv_fields_from_the_rollout_config(tiny_models, tmp_path):
 
 
 def test_bench_reports_kv_rows_capacity_and_mismatch(tiny_models, tmp_path):
-    from flashrl.bench import BenchConfig, run_bench
+    from flashrl.tools.bench import BenchConfig, run_bench
 
     path = sharp(tiny_models, "qwen3")
     cfg = BenchConfig(model=str(path), quant="bf16", kv_cache_dtype="bf16,fp8", batch=4, prompt_len=8, output_len=16,
                       device="cpu", dtype="bf16", kv_budget_gib=1 / 1024, out=None)
-    rows = run_bench(cfg)["rows"]
+    rows = run_bench(cfg).to_dict()["rows"]
     by_kv = {r["kv_cache_dtype"]: r for r in rows}
     assert set(by_kv) == {"bf16", "fp8"}
     assert by_kv["fp8"]["max_sequences"] >= 2 * by_kv["bf16"]["max_sequences"] - 1

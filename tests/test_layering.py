@@ -37,8 +37,6 @@ UTILITIES = {"flashrl", "errors", "fileio", "utils", "testing", "masked", "calib
 (correction and rl); `calibration_prompts` is data."""
 
 ALLOWED_FOR_NOW: set[tuple[str, str]] = {
-    # Sideways imports between tools that the tools redesign (issue 16, item 4) removes:
-    ("flashrl.profile", "flashrl.verify"),
     # The README's `flashrl.correction.ppo_clip_loss` re-exports the loss that moved to rl (item 4):
     ("flashrl.correction", "flashrl.rl.loss"),
 }

@@ -19,29 +19,26 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flashrl.cli import main
 from flashrl.core.config import RolloutConfig, resolve_config
 from flashrl.core.env import from_env
 from flashrl.engine import Engine
-from flashrl.profile import (
+from flashrl.quant.linear import DEFAULT_SKIP, DenseLinear, QuantLinear
+from flashrl.testing import save_tiny_model
+from flashrl.tools.cli import main
+from flashrl.tools.profile import (
     DEFAULT_THRESHOLD,
     SCHEMA_VERSION,
     ProfileConfig,
-    build_setup,
     kv_cache_dtype_supported,
-    load_profile,
-    recommend_skip,
     run_profile,
-    run_setup,
-    shard_names,
 )
-from flashrl.quant.linear import DEFAULT_SKIP, DenseLinear, QuantLinear
-from flashrl.testing import save_tiny_model
+from flashrl.tools.profile_metrics import recommend_skip, shard_names
+from flashrl.tools.setup import build_setup, load_profile, run_setup
 
 OUTLIER_LAYER = "model.layers.1.self_attn.qkv_proj"
 OUTLIER_NAMES = [f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
 
-# The documented JSON fields (profile.py module docstring and docs/profile.md).
+# The documented JSON fields (docs/profile.md).
 TOP_LEVEL = {"schema_version", "flashrl_version", "created", "model", "device", "device_name", "dtype", "settings",
              "calibration", "layers", "baseline", "schemes", "kv_cache"}
 MODEL = {"path", "family", "num_layers", "hidden_size", "vocab_size", "tie_word_embeddings"}
@@ -157,8 +154,8 @@ def test_threshold_controls_the_recommendation(profiled):
 
 def test_long_tables_show_the_worst_tensors(profiled, monkeypatch):
     _, _, doc, _ = profiled
-    monkeypatch.setattr("flashrl.profile.MAX_TABLE_LAYERS", 3)
-    from flashrl.profile import format_profile
+    monkeypatch.setattr("flashrl.tools.profile_report.MAX_TABLE_LAYERS", 3)
+    from flashrl.tools.profile_report import format_profile
 
     text = format_profile(doc)
     assert "the 3 worst of 14 tensors" in text
@@ -201,7 +198,7 @@ def test_setup_round_trips_into_a_config_the_engine_applies(profiled, tmp_path, 
     config = RolloutConfig.from_yaml(out)
     assert config == RolloutConfig(quant="int8", skip=tuple(doc["schemes"]["int8"]["skip"]), kv_cache_dtype="bf16",
                                    kv_scale="calibrated", lm_head_fp32=False, logprobs_mode="processed")
-    assert resolve_config(str(out)) == config  # what `flashrl train`'s rollout_config uses
+    assert resolve_config(str(out)) == config  # what `flashrl train`'s rollout.file uses
     assert_engine_skips_outlier_layer(Engine(model, quant=str(out), device="cpu", progress=False, max_len=64))
     monkeypatch.setenv("FLASHRL_CONFIG", str(out))
     assert from_env() == config
@@ -279,9 +276,9 @@ def test_prompts_files_and_random_ids(outlier_model, tiny_models, tmp_path):
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_text('"7*6="\n{"prompt": "hello"}\n{"text": "world"}\n')
     common = dict(model=str(outlier_model), quant="int8", device="cpu", max_new_tokens=4)
-    doc = run_profile(ProfileConfig(prompts=str(text), **common))
+    doc = run_profile(ProfileConfig(prompts=str(text), **common)).to_dict()
     assert doc["calibration"]["source"] == "file" and doc["calibration"]["num_sequences"] == 3
-    assert run_profile(ProfileConfig(prompts=str(jsonl), **common))["calibration"]["num_sequences"] == 3
+    assert run_profile(ProfileConfig(prompts=str(jsonl), **common)).calibration["num_sequences"] == 3
     bad = tmp_path / "bad.jsonl"
     bad.write_text('"ok"\n{"question": 1}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: expected a JSON string or an object"):
@@ -293,7 +290,7 @@ def test_prompts_files_and_random_ids(outlier_model, tiny_models, tmp_path):
         run_profile(ProfileConfig(prompts=str(tmp_path / "missing.txt"), **common))
     no_tokenizer = tiny_models("qwen2")
     doc = run_profile(ProfileConfig(model=str(no_tokenizer), quant="fp8_block", device="cpu", max_new_tokens=4,
-                                    max_prompt_tokens=16))
+                                    max_prompt_tokens=16)).to_dict()
     assert doc["calibration"]["source"] == "random_token_ids" and "no tokenizer" in doc["calibration"]["note"]
     assert doc["settings"]["max_prompt_tokens"] == 16 and doc["calibration"]["prompt_tokens"] <= 16 * 16
     with pytest.raises(ValueError, match="has no tokenizer, so text prompts cannot be encoded"):
@@ -325,7 +322,7 @@ def test_kv_cache_dtype_fp8(outlier_model, monkeypatch):
         with pytest.raises(ValueError, match="fp8 KV cache is not available in this build"):
             run_profile(cfg)
         return
-    doc = run_profile(cfg)
+    doc = run_profile(cfg).to_dict()
     kv = doc["kv_cache"]
     assert kv["dtype"] == "fp8" and kv["kv_scale"] == "calibrated"
     assert kv["bytes_per_token"] < kv["bytes_per_token_bf16"]
@@ -336,14 +333,14 @@ def test_kv_cache_dtype_fp8(outlier_model, monkeypatch):
     config, _ = build_setup(doc)
     assert config.kv_cache_dtype == "fp8" and config.kv_scale == "calibrated"
     # A build without the fp8 KV cache refuses instead of silently profiling a bf16 cache.
-    monkeypatch.setattr("flashrl.profile.kv_cache_dtype_supported", lambda: False)
+    monkeypatch.setattr("flashrl.tools.profile.kv_cache_dtype_supported", lambda: False)
     with pytest.raises(ValueError, match="fp8 KV cache is not available in this build"):
         run_profile(cfg)
 
 
 def test_lm_head_fp32_is_profiled_and_written(outlier_model, tmp_path):
     doc = run_profile(ProfileConfig(model=str(outlier_model), quant="fp8_channel", device="cpu", lm_head_fp32=True,
-                                    max_new_tokens=4))
+                                    max_new_tokens=4)).to_dict()
     assert doc["settings"]["lm_head_fp32"] is True
     config, _ = build_setup(doc)
     assert config.lm_head_fp32 is True and config.quant == "fp8_channel"

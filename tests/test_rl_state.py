@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from flashrl.errors import CheckpointError, ConfigError
-from flashrl.rl.config import build_config
+from flashrl.rl.config_build import build_config
+from flashrl.rl.legacy import LEGACY_NAMES
 from flashrl.rl.trainer import Trainer, read_metrics
 from flashrl.testing import save_tiny_model
 
@@ -36,7 +37,7 @@ def small_config(model_dir, out, **overrides):
                   max_response_tokens=4, task_max_operand=9, plot=False, lr=1e-2, device="cpu", rollout_dtype="fp32",
                   reward="text_length")
     values.update(overrides)
-    return build_config("tiny-cpu", None, values)
+    return build_config("tiny-cpu", None, {LEGACY_NAMES.get(k, k): v for k, v in values.items()})
 
 
 def train(model_dir, out, **overrides) -> Trainer:
@@ -83,7 +84,7 @@ def test_trainer_state_holds_only_plain_data(policy_dir, tmp_path):
     out = tmp_path / "run"
     train(policy_dir, out)
     state = torch.load(out / "checkpoint-1" / "trainer_state.pt", weights_only=True)
-    assert state["step"] == 1 and state["config"]["seed"] == 0
+    assert state["step"] == 1 and state["config"]["run"]["seed"] == 0
 
 
 # ------------------------------------------------------------------------------------ 2. one run per directory
@@ -93,14 +94,14 @@ def test_fresh_run_refuses_a_directory_holding_a_run(policy_dir, tmp_path):
     out = tmp_path / "run"
     train(policy_dir, out)
     before = (out / "metrics.jsonl").read_text()
-    with pytest.raises(CheckpointError, match=r"already holds a run .*metrics.jsonl.*checkpoint-1.*--overwrite"):
+    with pytest.raises(CheckpointError, match=r"already holds a run .*metrics.jsonl.*checkpoint-1.*--run.overwrite"):
         Trainer(small_config(policy_dir, out, seed=1))
     assert (out / "metrics.jsonl").read_text() == before and (out / "checkpoint-1").is_dir()
     (out / "notes.txt").write_text("mine")
     train(policy_dir, out, seed=1, steps=2, save_every=1, overwrite=True)
     assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [0, 1]
     assert checkpoints(out) == ["checkpoint-1", "checkpoint-2"]
-    assert torch.load(out / "checkpoint-1" / "trainer_state.pt", weights_only=True)["config"]["seed"] == 1
+    assert torch.load(out / "checkpoint-1" / "trainer_state.pt", weights_only=True)["config"]["run"]["seed"] == 1
     assert (out / "notes.txt").read_text() == "mine", "overwrite deletes only the run's own files"
 
 
@@ -109,11 +110,11 @@ def test_resume_checks_the_config_against_the_checkpoint(policy_dir, tmp_path):
     train(policy_dir, out)
     with pytest.raises(CheckpointError, match=r"(?s)group_size: 4 in the checkpoint, 8 now.*seed: 0 in the checkpoint, 3 now"):
         Trainer(small_config(policy_dir, out, steps=2, resume="latest", seed=3, group_size=8))
-    with pytest.raises(CheckpointError, match="rollout_quant"):
+    with pytest.raises(CheckpointError, match="rollout.quant"):
         Trainer(small_config(policy_dir, out, steps=2, resume="latest", rollout_quant="fp8"))
     # steps, lr and output settings may change; others with resume_allow_changes
     assert Trainer(small_config(policy_dir, out, steps=3, lr=1e-3, save_every=1, resume="latest")).step == 1
-    assert Trainer(small_config(policy_dir, out, steps=2, resume="latest", seed=3, resume_allow_changes="seed")).step == 1
+    assert Trainer(small_config(policy_dir, out, steps=2, resume="latest", seed=3, resume_allow_changes="run.seed")).step == 1
     assert Trainer(small_config(policy_dir, out, steps=2, resume="latest", seed=3, resume_allow_changes="all")).step == 1
     with pytest.raises(ConfigError, match="resume_allow_changes.*sede"):
         small_config(policy_dir, out, resume_allow_changes="sede")
@@ -129,7 +130,7 @@ def test_resume_from_another_directory_into_a_run_refuses(policy_dir, tmp_path):
 def test_resume_from_an_older_checkpoint_needs_overwrite(policy_dir, tmp_path):
     out = tmp_path / "run"
     train(policy_dir, out, steps=2, save_every=1)
-    with pytest.raises(CheckpointError, match="checkpoint-2 .*newer.*--overwrite"):
+    with pytest.raises(CheckpointError, match="checkpoint-2 .*newer.*--run.overwrite"):
         Trainer(small_config(policy_dir, out, steps=2, resume=str(out / "checkpoint-1")))
     Trainer(small_config(policy_dir, out, steps=2, resume=str(out / "checkpoint-1"), overwrite=True))
     assert checkpoints(out) == ["checkpoint-1"]
@@ -272,7 +273,7 @@ def test_resume_at_the_last_step_does_not_rewrite_the_checkpoint(policy_dir, tmp
 
 
 def test_compare_refuses_duplicates(policy_dir, tmp_path):
-    from flashrl.rl.run import compare_variants
+    from flashrl.rl.config import compare_variants
 
     with pytest.raises(ConfigError, match="'int8' twice"):
         compare_variants("int8,int8")
@@ -288,8 +289,8 @@ def test_compare_refuses_duplicates(policy_dir, tmp_path):
     ("FLASHRL_LMHEAD_FP32", "maybe", "FLASHRL_LMHEAD_FP32='maybe' is invalid"),
 ])
 def test_train_validates_flashrl_env(policy_dir, tmp_path, monkeypatch, capsys, name, value, match):
-    from flashrl.cli import main
     from flashrl.core.env import from_env
+    from flashrl.tools.cli import main
     from flashrl.rl.run import run
 
     monkeypatch.setenv(name, value)
@@ -298,7 +299,7 @@ def test_train_validates_flashrl_env(policy_dir, tmp_path, monkeypatch, capsys, 
     with pytest.raises(type(other.value), match=match):
         run(small_config(policy_dir, tmp_path / "run"))
     assert not (tmp_path / "run").exists()
-    assert main(["train", "--model", str(policy_dir), "--output-dir", str(tmp_path / "run")]) == 2
+    assert main(["train", "--model", str(policy_dir), "--run.output-dir", str(tmp_path / "run")]) == 2
     assert match in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 

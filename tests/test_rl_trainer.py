@@ -8,9 +8,12 @@ import pytest
 import torch
 import yaml
 
-from flashrl.cli import main, parse_overrides
-from flashrl.rl.config import TrainConfig, build_config
+from flashrl.rl.config import TrainConfig
+from flashrl.rl.config_build import build_config
+from flashrl.rl.legacy import LEGACY_NAMES
 from flashrl.rl.trainer import Trainer, read_metrics
+from flashrl.tools.cli import main
+from flashrl.tools.train import parse_overrides
 from flashrl.testing import save_tiny_model
 
 
@@ -29,11 +32,13 @@ def policy_dir(tmp_path_factory):
 
 
 def small_config(model_dir, out, **overrides) -> TrainConfig:
+    """The tiny-cpu preset on `model_dir`, shortened; `overrides` by field name (``steps=3``, the
+    name inside its group)."""
     values = dict(model=str(model_dir), output_dir=str(out), steps=2, batch_size=16, group_size=4, micro_batch_size=8,
                   max_response_tokens=5, task_max_operand=9, plot=False, lr=1e-2, device="cpu", rollout_dtype="fp32",
                   reward="text_length")
     values.update(overrides)
-    return build_config("tiny-cpu", None, values)
+    return build_config("tiny-cpu", None, {LEGACY_NAMES.get(k, k): v for k, v in values.items()})
 
 
 # ------------------------------------------------------------------------------------ config
@@ -41,20 +46,22 @@ def small_config(model_dir, out, **overrides) -> TrainConfig:
 
 def test_yaml_and_overrides_merge_in_order(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"steps": 7, "lr": 0.5, "rollout_quant": "fp8"}))
-    config = build_config("tiny-cpu", str(path), parse_overrides(["--lr", "0.25", "--plot=false", "--dynamic-sampling"]))
-    assert (config.steps, config.lr, config.rollout_quant, config.plot, config.dynamic_sampling) == (7, 0.25, "fp8", False, True)
-    assert config.group_size == 8  # from the preset
+    path.write_text(yaml.safe_dump({"run": {"steps": 7}, "algo": {"lr": 0.5}, "rollout": {"quant": "fp8"}}))
+    overrides = parse_overrides(["--algo.lr", "0.25", "--run.plot=false", "--algo.dynamic-sampling"])
+    config = build_config("tiny-cpu", str(path), overrides)
+    assert (config.run.steps, config.algo.lr, config.rollout.quant, config.run.plot, config.algo.dynamic_sampling) == \
+        (7, 0.25, "fp8", False, True)
+    assert config.algo.group_size == 8  # from the preset
 
 
 @pytest.mark.parametrize("overrides,match", [
-    ({"batch_size": "12", "group_size": "8"}, "batch_size=12 is not divisible by group_size=8"),
-    ({"rollout_quant": "int4"}, "rollout_quant='int4' is invalid; allowed: bf16, int8"),
-    ({"steps": "two"}, "steps='two' is not an integer"),
-    ({"plot": "maybe"}, "plot='maybe' is not a boolean"),
+    ({"algo.batch_size": "12", "algo.group_size": "8"}, "batch_size=12 is not divisible by algo.group_size=8"),
+    ({"rollout.quant": "int4"}, "rollout: unknown quantization scheme 'int4'; allowed: bf16, int8"),
+    ({"run.steps": "two"}, "steps='two' is not an integer"),
+    ({"run.plot": "maybe"}, "plot='maybe' is not a boolean"),
     ({"learning_rate": "1"}, r"unknown config key\(s\) in overrides: learning_rate"),
-    ({"correction": "token_mis", "correction_band": "2_1"}, "band"),
-    ({"tis_cap": "0.5"}, "cap"),
+    ({"correction.weight": "token_mis", "correction.band": "2_1"}, "band"),
+    ({"correction.cap": "0.5"}, "cap"),
 ])
 def test_config_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -66,12 +73,13 @@ def test_config_file_and_preset_errors(tmp_path):
         build_config(None, str(tmp_path / "nope.yaml"), {})
     with pytest.raises(ValueError, match="unknown preset 'huge'; allowed: tiny-cpu"):
         build_config("huge", None, {})
-    assert main(["train", "--batch-size", "10", "--group-size", "4"]) == 2  # clean CLI error, no traceback
+    assert main(["train", "--algo.batch-size", "10", "--algo.group-size", "4"]) == 2  # clean CLI error, no traceback
 
 
 def test_tis_cap_zero_turns_importance_weights_off():
-    assert TrainConfig(tis_cap=0).correction_config().weight == "none"
-    assert TrainConfig().correction_config().weight == "token_tis" and TrainConfig().correction_config().cap == 2.0
+    with pytest.warns(DeprecationWarning, match="tis_cap"):
+        assert build_config(None, None, {"tis_cap": 0}).correction.weight == "none"
+    assert TrainConfig().correction.weight == "token_tis" and TrainConfig().correction.cap == 2.0
 
 
 # ------------------------------------------------------------------------------------ training
@@ -167,7 +175,7 @@ def test_compare_runs_each_precision(policy_dir, tmp_path):
     assert [r["run"] for r in rows] == ["bf16", "int8-notis"]
     assert (tmp_path / "cmp" / "compare.png").is_file() and (tmp_path / "cmp" / "compare.json").is_file()
     notis = yaml.safe_load((tmp_path / "cmp" / "int8-notis" / "config.yaml").read_text())
-    assert notis["tis_cap"] == 0.0 and notis["rollout_quant"] == "int8"
+    assert notis["correction"]["weight"] == "none" and notis["rollout"]["quant"] == "int8"
 
 
 @pytest.mark.slow
@@ -175,9 +183,10 @@ def test_tiny_preset_reward_rises(tmp_path, monkeypatch):
     """The default job, shortened: int8 rollouts with TIS raise the mean reward by a clear margin
     (the tiny model is built from scratch, as on a fresh machine)."""
     monkeypatch.setenv("FLASHRL_CACHE", str(tmp_path / "cache"))
-    config = build_config("tiny-cpu", None, dict(steps=100, output_dir=str(tmp_path / "tiny"), plot=False))
-    assert config.reward == "exact_match"
-    assert config.rollout_quant == "int8" and config.tis_cap == 2.0
+    config = build_config("tiny-cpu", None, {"run.steps": 100, "run.output_dir": str(tmp_path / "tiny"),
+                                             "run.plot": False})
+    assert config.data.reward == "exact_match"
+    assert config.rollout.quant == "int8" and config.correction.weight == "token_tis" and config.correction.cap == 2.0
     trainer = Trainer(config)
     trainer.train()
     rewards = [m["reward/mean"] for m in read_metrics(trainer.metrics_path)]
@@ -189,6 +198,7 @@ def test_rollout_config_file_supplies_the_scheme(tmp_path):
     from flashrl.core.config import RolloutConfig
 
     path = RolloutConfig(quant="fp8_channel", skip=("lm_head", "*.down_proj")).to_yaml(tmp_path / "flashrl.yaml")
-    assert build_config("tiny-cpu", None, {"rollout_config": str(path)}).rollout_quant == "fp8_channel"
-    explicit = build_config("tiny-cpu", None, {"rollout_config": str(path), "rollout_quant": "int8"})
-    assert explicit.rollout_quant == "int8"  # an explicit flag still wins
+    config = build_config("tiny-cpu", None, {"rollout.file": str(path)})
+    assert config.rollout.quant == "fp8_channel" and config.rollout.skip == ("lm_head", "*.down_proj")
+    explicit = build_config("tiny-cpu", None, {"rollout.file": str(path), "rollout.quant": "int8"})
+    assert explicit.rollout.quant == "int8"  # an explicit flag still wins

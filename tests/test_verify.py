@@ -3,19 +3,23 @@ the in-place reload, the sampler's logprobs or a whole check is broken on purpos
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-import flashrl.verify as verify
-from flashrl.cli import main
-from flashrl.verify import FAIL, PASS, SKIP, exit_code, processed_logprobs_fp64, run_verify, scheme_unsupported_reason
+import flashrl.tools.verify as verify
+from flashrl.tools.cli import main
+from flashrl.tools.verify import FAIL, PASS, SKIP, exit_code, run_verify, scheme_unsupported_reason
+from flashrl.tools.verify_checks import processed_logprobs_fp64
+from flashrl.tools.verify_context import CheckResult, VerifyContext
+from flashrl.tools.verify_vllm import check_vllm
 
 CHECK_NAMES = ["gemm", "reload", "logprobs", "kv_cache", "vllm"]
 
 
-def rows(results) -> dict[tuple[str, str], verify.CheckResult]:
+def rows(results) -> dict[tuple[str, str], CheckResult]:
     return {(r.check, r.scheme): r for r in results}
 
 
@@ -124,7 +128,7 @@ def test_a_crashing_check_is_a_fail_row_and_the_others_still_run(monkeypatch):
     def boom(ctx, scheme):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(verify, "check_kv_cache", boom)
+    monkeypatch.setitem(verify.CHECKS, "kv_cache", dataclasses.replace(verify.CHECKS["kv_cache"], fn=boom))
     results = run_verify(device="cpu", schemes=["bf16"], vllm=False)
     by_key = rows(results)
     assert by_key[("kv_cache", "bf16")].status == FAIL and by_key[("kv_cache", "bf16")].detail == "RuntimeError: boom"
@@ -158,8 +162,8 @@ def test_vllm_row_skips_when_vllm_is_missing(monkeypatch, tmp_path):
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else object())
-    ctx = verify.VerifyContext(torch.device("cpu"), tmp_path)
-    status, detail = verify.check_vllm(ctx, "int8")
+    ctx = VerifyContext(torch.device("cpu"), tmp_path)
+    status, detail = check_vllm(ctx, "int8")
     assert status == SKIP and detail.startswith("vLLM is not installed")
 
 

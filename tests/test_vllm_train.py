@@ -14,14 +14,14 @@ from flashrl.vllm_backend.testing import apply_test_env  # noqa: E402
 
 apply_test_env()
 
-from flashrl.cli import main  # noqa: E402
+from flashrl.tools.cli import main  # noqa: E402
 
 
 def test_three_step_vllm_training_run(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHRL_CACHE", str(tmp_path / "cache"))  # builds the tiny model here
     out = tmp_path / "run"
-    code = main(["train", "--backend", "vllm", "--steps", "3", "--output-dir", str(out), "--plot", "false",
-                 "--vllm-kwargs", '{"enforce_eager": true}'])
+    code = main(["train", "--run.backend", "vllm", "--run.steps", "3", "--run.output-dir", str(out),
+                 "--run.plot", "false", "--run.vllm-kwargs", '{"enforce_eager": true}'])
     assert code == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -1,6 +1,6 @@
 """A training run on disk: its directory, checkpoints and metrics, written so that a crash at any
-moment leaves a state `flashrl train --resume latest` can continue from, and read without running
-any code from the files.
+moment leaves a state `flashrl train --run.resume latest` can continue from, and read without
+running any code from the files.
 
 Layout of `output_dir`: `metrics.jsonl` (one JSON object per step, appended), `config.yaml`, and
 `checkpoint-<step>/` directories (HF weights as safetensors, tokenizer, `trainer_state.pt`).
@@ -12,8 +12,8 @@ Layout of `output_dir`: `metrics.jsonl` (one JSON object per step, appended), `c
   ``torch.load(weights_only=True)``: a planted pickle is refused, never run.
 - Metrics lines are appended with one write + fsync each, so a crash tears at most the last line;
   resume drops a torn last line (warning) and rewrites the file with temp file + fsync + rename.
-- A damaged checkpoint is a `CheckpointError` naming the file; `--resume latest` falls back to the
-  newest complete one and renames the damaged ones to `checkpoint-<step>.damaged`.
+- A damaged checkpoint is a `CheckpointError` naming the file; `--run.resume latest` falls back to
+  the newest complete one and renames the damaged ones to `checkpoint-<step>.damaged`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ _PARTIAL = re.compile(r"\.checkpoint-(\d+)\.(tmp|old)")
 
 
 def fsync_dir(directory: Path) -> None:
-    """Make renames and new entries in `directory` durable (a no-op where directories cannot be opened)."""
+    """Make renames and new entries in `directory` durable (a no-op where directories cannot be
+    opened)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -73,7 +74,8 @@ def fsync_tree(directory: Path) -> None:
 
 
 def append_line(path: str | Path, line: str) -> None:
-    """Append `line` and a newline to `path` in one write, then fsync: a crash tears at most this line."""
+    """Append `line` and a newline to `path` in one write, then fsync: a crash tears at most this
+    line."""
     data = (line + "\n").encode("utf-8")
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
@@ -86,8 +88,9 @@ def append_line(path: str | Path, line: str) -> None:
 
 
 def write_checkpoint_dir(path: Path, write: Callable[[Path], None]) -> Path:
-    """Create directory `path` atomically: `write(tmp)` fills `.<name>.tmp`, every file is fsynced, then
-    the directory is renamed to `path` (an existing `path` is moved aside first and deleted after)."""
+    """Create directory `path` atomically: `write(tmp)` fills `.<name>.tmp`, every file is fsynced,
+    then the directory is renamed to `path` (an existing `path` is moved aside first and deleted
+    after)."""
     tmp, aside = path.parent / f".{path.name}.tmp", path.parent / f".{path.name}.old"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -111,12 +114,14 @@ def check_output_dir(output_dir: str | Path) -> Path:
     for part in (path, *path.parents):
         if part.exists() and not part.is_dir():
             what = "" if part == path else f": {str(part)!r}"
-            raise ConfigError(f"output_dir={str(path)!r}{what} is a file; allowed: a directory (new or existing)")
+            raise ConfigError(f"run.output_dir={str(path)!r}{what} is a file; allowed: a directory "
+                              f"(new or existing)")
     return path
 
 
 def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
-    """(step, directory) of every `checkpoint-<step>` directory, oldest first (other names are ignored)."""
+    """(step, directory) of every `checkpoint-<step>` directory, oldest first (other names are
+    ignored)."""
     found = []
     if output_dir.is_dir():
         for p in output_dir.iterdir():
@@ -151,20 +156,22 @@ def remove(paths: list[Path], why: str) -> None:
 
 
 def refuse_existing_run(output_dir: Path, overwrite: bool) -> None:
-    """For a fresh run: CheckpointError if `output_dir` holds a run, unless `overwrite` (then it is deleted)."""
+    """For a fresh run: CheckpointError if `output_dir` holds a run, unless `overwrite` (then it is
+    deleted)."""
     found = holds_run(output_dir)
     if not found:
         return
     if not overwrite:
         shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
-        raise CheckpointError(f"output_dir {str(output_dir)!r} already holds a run ({shown}); continue it with "
-                              f"--resume latest, delete it with --overwrite true, or choose another --output-dir")
-    remove(run_files(output_dir), "--overwrite: a fresh run replaces the run in this directory")
+        raise CheckpointError(f"output_dir {str(output_dir)!r} already holds a run ({shown}); "
+                              f"continue it with --run.resume latest, delete it with --run.overwrite "
+                              f"true, or choose another --run.output-dir")
+    remove(run_files(output_dir), "--run.overwrite: a fresh run replaces the run in this directory")
 
 
 def clean_partial_writes(output_dir: Path) -> None:
-    """Delete `.checkpoint-N.tmp` (incomplete writes); put back a `.checkpoint-N.old` whose replacement
-    never landed (a crash between the two renames), else delete it."""
+    """Delete `.checkpoint-N.tmp` (incomplete writes); put back a `.checkpoint-N.old` whose
+    replacement never landed (a crash between the two renames), else delete it."""
     for p in run_files(output_dir):
         m = _PARTIAL.fullmatch(p.name)
         if not m:
@@ -178,7 +185,8 @@ def clean_partial_writes(output_dir: Path) -> None:
 
 
 def prune_checkpoints(output_dir: Path, keep_last: int | None) -> None:
-    """Delete all but the `keep_last` newest checkpoints (call only after the newest is in place)."""
+    """Delete all but the `keep_last` newest checkpoints (call only after the newest is in
+    place)."""
     if keep_last is None:
         return
     old = [p for _, p in list_checkpoints(output_dir)[:-keep_last]]
@@ -189,7 +197,8 @@ def prune_checkpoints(output_dir: Path, keep_last: int | None) -> None:
 
 
 def trainer_state(step: int, optimizer: torch.optim.Optimizer, config: dict[str, Any]) -> dict[str, Any]:
-    """What `trainer_state.pt` holds: tensors and plain containers only (loadable with weights_only)."""
+    """What `trainer_state.pt` holds: tensors and plain containers only (loadable with
+    weights_only)."""
     version, internal, gauss = random.getstate()
     return dict(step=step, optimizer=optimizer.state_dict(), config=config,
                 python_rng=[version, list(internal), gauss], torch_rng=torch.get_rng_state())
@@ -202,7 +211,8 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def load_state(path: Path) -> dict[str, Any]:
-    """Load `trainer_state.pt` without running code from it; CheckpointError naming the file otherwise."""
+    """Load `trainer_state.pt` without running code from it; CheckpointError naming the file
+    otherwise."""
     file = path / STATE_FILE
     if not file.is_file():
         raise CheckpointError(f"{file}: missing; not a flashrl checkpoint")
@@ -220,8 +230,9 @@ def load_state(path: Path) -> dict[str, Any]:
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """Check that checkpoint `path` is complete (config.json parses, every safetensors file is whole,
-    the trainer state loads) and return its trainer state; CheckpointError naming the damaged file."""
+    """Check that checkpoint `path` is complete (config.json parses, every safetensors file is
+    whole, the trainer state loads) and return its trainer state; CheckpointError naming the
+    damaged file."""
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist or is not a directory")
     config = path / "config.json"
@@ -245,7 +256,8 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def find_latest(output_dir: Path) -> tuple[Path, dict[str, Any], list[tuple[Path, str]]]:
-    """The newest complete checkpoint in `output_dir`, its state, and the damaged newer ones with why."""
+    """The newest complete checkpoint in `output_dir`, its state, and the damaged newer ones with
+    why."""
     damaged: list[tuple[Path, str]] = []
     for _, path in reversed(list_checkpoints(output_dir)):
         try:
@@ -253,13 +265,15 @@ def find_latest(output_dir: Path) -> tuple[Path, dict[str, Any], list[tuple[Path
         except CheckpointError as err:
             damaged.append((path, str(err)))
     if not damaged:
-        raise CheckpointError(f"--resume latest: no checkpoint-<step> directory in {str(output_dir)!r}")
-    raise CheckpointError(f"--resume latest: no complete checkpoint in {str(output_dir)!r}: "
+        raise CheckpointError(f"--run.resume latest: no checkpoint-<step> directory in "
+                              f"{str(output_dir)!r}")
+    raise CheckpointError(f"--run.resume latest: no complete checkpoint in {str(output_dir)!r}: "
                           + "; ".join(why for _, why in damaged))
 
 
 def set_damaged_aside(damaged: list[tuple[Path, str]], resumed: Path) -> None:
-    """Rename damaged checkpoints to `checkpoint-<step>.damaged` so `--resume latest` skips them."""
+    """Rename damaged checkpoints to `checkpoint-<step>.damaged` so `--run.resume latest` skips
+    them."""
     for path, why in damaged:
         target = path.with_name(path.name + ".damaged")
         logger.warning("%s is damaged (%s); resuming from %s and renaming it to %s", path, why, resumed, target.name)
@@ -267,14 +281,19 @@ def set_damaged_aside(damaged: list[tuple[Path, str]], resumed: Path) -> None:
         path.rename(target)
 
 
+PATH_FIELDS = ("model", "data.path")
+"""Config fields naming a path: two spellings of the same file are no difference."""
+
+
 def config_differences(stored: dict[str, Any], current: dict[str, Any], free: set[str]) -> list[str]:
-    """'field: A in the checkpoint, B now' for every field outside `free` whose value differs."""
+    """'field: A in the checkpoint, B now' for every field outside `free` whose value differs
+    (both configs as dotted values, `flashrl.rl.config_build.stored_values`)."""
     out = []
     for name, value in current.items():
         if name in free or name not in stored or stored[name] == value:
             continue
         old = stored[name]
-        if name in ("model", "data", "rollout_config") and isinstance(old, str) and isinstance(value, str) \
+        if name in PATH_FIELDS and isinstance(old, str) and isinstance(value, str) \
                 and Path(old).resolve() == Path(value).resolve():
             continue
         out.append(f"{name}: {old!r} in the checkpoint, {value!r} now")
@@ -297,8 +316,8 @@ def _metrics_lines(path: Path) -> list[tuple[dict[str, Any], str]]:
                 raise ValueError("not a JSON object with an integer 'step'")
         except ValueError as err:  # also UnicodeDecodeError and JSONDecodeError
             if k == len(numbered) - 1:
-                logger.warning("%s line %d is torn (a write interrupted by a crash or a full disk): dropped it",
-                               path, i)
+                logger.warning("%s line %d is torn (a write interrupted by a crash or a full "
+                               "disk): dropped it", path, i)
                 break
             raise CheckpointError(f"{path} line {i} is damaged ({err}); only the last line may be torn: "
                                   f"repair or delete line {i}") from None
@@ -307,14 +326,14 @@ def _metrics_lines(path: Path) -> list[tuple[dict[str, Any], str]]:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl. A torn last line (a write cut by a crash) is dropped with a warning;
-    a bad line elsewhere is a CheckpointError naming the file and line."""
+    """The rows of a metrics.jsonl. A torn last line (a write cut by a crash) is dropped with a
+    warning; a bad line elsewhere is a CheckpointError naming the file and line."""
     return [row for row, _ in _metrics_lines(Path(path))]
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Keep the lines of steps before `step` (the resumed run recomputes the rest), dropping a torn last
-    line; the file is replaced (temp file + fsync + rename), never rewritten in place."""
+    """Keep the lines of steps before `step` (the resumed run recomputes the rest), dropping a torn
+    last line; the file is replaced (temp file + fsync + rename), never rewritten in place."""
     if not path.is_file():
         return
     kept = [text for row, text in _metrics_lines(path) if row["step"] < step]

@@ -1,45 +1,56 @@
-"""`TrainConfig`: every setting of `flashrl train`, with YAML files, `--key value` overrides and presets.
+"""`TrainConfig`: every setting of `flashrl train`, as nested groups, with YAML files, dotted
+``--group.key value`` flags and presets.
 
-Precedence: dataclass defaults < preset (`--preset`, default `tiny-cpu`) < YAML file (`--config`) <
-command-line overrides. Every field is a `--kebab-case` flag; validation errors name the field, the
-value and what is allowed.
+    TrainConfig
+      model                       the policy checkpoint (None: the built-in tiny model)
+      data: DataConfig            prompts, answers and the reward
+      rollout: RolloutConfig      how the rollout policy is quantized (flashrl.core)
+      correction: CorrectionConfig  importance weights and rejection (flashrl.correction)
+      algo: AlgoConfig            sampling, advantages, loss and optimizer
+      run: RunConfig              length, machine layout, backend, outputs, checkpoints
+
+Precedence (`flashrl.rl.config_build.build_config`): dataclass defaults < preset (`--preset`,
+default `tiny-cpu`) < YAML file (`--config`, the same nesting) < command-line flags. The flat
+names of flashrl 0.1 (``--rollout-quant``, ``tis_cap``) still work for one release, with a warning
+(`flashrl.rl.legacy`). Validation errors name the field, the value and what is allowed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import yaml
 
-from flashrl.config import read_yaml
-from flashrl.correction import CorrectionConfig
+from flashrl.core.config import RolloutConfig
+from flashrl.correction import AGGREGATIONS, CorrectionConfig
 from flashrl.errors import ConfigError
 from flashrl.fileio import atomic_write_text
-from flashrl.quant.schemes import SCHEMES
+from flashrl.quant.schemes import get_scheme
 from flashrl.rl.algo import ADVANTAGES
+from flashrl.rl.legacy import LEGACY_NAMES
 from flashrl.rl.rewards import REWARDS
 
 BACKENDS = ("builtin", "vllm")
-# fields a resumed run may change freely: the length of the run, the learning rate, where outputs go
-# and how the work is laid out on the machine; every other field changes what the run computes and
-# must match the checkpoint's config unless named in resume_allow_changes
-RESUME_FREE_FIELDS = ("steps", "lr", "output_dir", "save_every", "keep_last", "resume", "resume_allow_changes",
-                      "overwrite", "plot", "compare", "device", "max_batch", "micro_batch_size", "vllm_kwargs")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-CORRECTION_WEIGHTS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis")
+ROLLOUT_DTYPES = ("bf16", "fp16", "fp32")
+TRAINER_DTYPES = ("fp32", "bf16")
+RESUME_FREE_FIELDS = ("run.steps", "algo.lr", "run.output_dir", "run.save_every", "run.keep_last",
+                      "run.resume", "run.resume_allow_changes", "run.overwrite", "run.plot",
+                      "run.compare", "run.device", "run.max_batch", "run.micro_batch_size",
+                      "run.vllm_kwargs")
+"""Fields a resumed run may change freely: the length of the run, the learning rate, where outputs
+go and how the work is laid out on the machine. Every other field changes what the run computes
+and must match the checkpoint's config unless named in ``run.resume_allow_changes``."""
 
 
 @dataclass
-class TrainConfig:
-    # ---- model and data
-    model: str | None = None
-    """Hugging Face checkpoint directory; None uses the built-in tiny model (built on first use)."""
-    data: str | None = None
+class DataConfig:
+    """Prompts, reference answers and how responses are scored."""
+
+    path: str | None = None
     """A local .jsonl / .json / .parquet dataset; None uses the built-in arithmetic task."""
     prompt_field: str = "question"
     answer_field: str = "answer"
@@ -49,29 +60,23 @@ class TrainConfig:
     system_prompt: str | None = None
     reward: str = "exact_match"
     task_max_operand: int = 99
+    """Largest operand of the built-in arithmetic task."""
     task_ops: str = "+"
-    # ---- rollout
-    backend: str = "builtin"
-    rollout_quant: str = "int8"
-    rollout_config: str | None = None
-    """A flashrl.yaml (from `flashrl setup`): skip list, KV cache, lm-head settings for the rollout."""
-    rollout_dtype: str = "bf16"
-    kv_cache_dtype: str = "bf16"
-    lm_head_fp32: bool = False
+    """Operators of the built-in arithmetic task."""
+
+
+@dataclass
+class AlgoConfig:
+    """What one RL step computes: the sampled policy, advantages, the loss and the optimizer."""
+
+    batch_size: int = 128
+    """Sequences per step: prompts per step times group_size."""
+    group_size: int = 8
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     max_prompt_tokens: int = 64
     max_response_tokens: int = 16
-    max_batch: int = 256
-    """KV-cache slots of the built-in engine (sequences decoded at once)."""
-    vllm_kwargs: str | None = None
-    """JSON object of extra `vllm.LLM(...)` arguments for backend 'vllm', e.g. '{"enforce_eager": true}'."""
-    # ---- algorithm
-    steps: int = 60
-    batch_size: int = 128
-    """Sequences per step: prompts per step times group_size."""
-    group_size: int = 8
     advantage: str = "grpo"
     norm_adv_by_std: bool = True
     loss_aggregation: str = "token_mean"
@@ -80,8 +85,6 @@ class TrainConfig:
     dual_clip: float | None = None
     mini_batches: int = 1
     """Optimizer steps per rollout batch (1 = on-policy)."""
-    micro_batch_size: int = 64
-    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
     lr: float = 1e-4
     weight_decay: float = 0.0
     warmup_steps: int = 0
@@ -91,108 +94,42 @@ class TrainConfig:
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     dynamic_sampling: bool = False
-    # ---- rollout correction
-    correction_mode: str = "decoupled"
-    correction: str = "token_tis"
-    tis_cap: float = 2.0
-    """C of truncated IS; 0 turns importance weighting off (mismatch is still measured)."""
-    correction_band: str | None = None
-    """lo_hi band on rho for token_mis / seq_mis, e.g. '0.5_5.0'."""
-    rejection: str | None = None
-    """Comma-separated rejection options (verl names), e.g. 'seq_mean_k1,seq_mean_k3'."""
-    rejection_thresholds: str | None = None
-    """One threshold per option or one for all: 'lo_hi' bands on rho for k1, upper bounds for k2/k3,
-    e.g. '0.999_1.001,0.01'."""
-    # ---- system
+
+
+@dataclass
+class RunConfig:
+    """How the run is laid out: its length, the machine, the rollout backend, outputs."""
+
+    steps: int = 60
+    seed: int = 0
     device: str | None = None
     trainer_dtype: str = "fp32"
-    seed: int = 0
+    backend: str = "builtin"
+    rollout_dtype: str = "bf16"
+    max_batch: int = 256
+    """KV-cache slots of the built-in engine (sequences decoded at once)."""
+    micro_batch_size: int = 64
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    vllm_kwargs: str | None = None
+    """JSON object of extra `vllm.LLM(...)` arguments for backend 'vllm', e.g.
+    '{"enforce_eager": true}'."""
     output_dir: str = "runs/flashrl"
     save_every: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_last: int | None = None
-    """Keep only the N newest checkpoints (older ones are deleted once a new one is in place); None keeps all."""
+    """Keep only the N newest checkpoints; None keeps all."""
     resume: str | None = None
     """'latest' (newest complete checkpoint in output_dir) or a checkpoint directory."""
     resume_allow_changes: str | None = None
-    """Comma-separated fields that may differ from the resumed checkpoint's config beyond those that
-    always may (RESUME_FREE_FIELDS), or 'all'."""
+    """Comma-separated fields (e.g. run.seed,rollout.quant, or a group such as rollout) that may
+    differ from the resumed checkpoint's config beyond RESUME_FREE_FIELDS, or 'all'."""
     overwrite: bool = False
     """Let a fresh run delete the run already in output_dir (its metrics, checkpoints, plots), and a
     resume from an older checkpoint delete the newer ones."""
     plot: bool = True
     compare: str | None = None
     """Comma-separated rollout precisions to run one after another with the same seed and data,
-    e.g. 'bf16,int8,int8-notis,fp8' ('-notis' sets tis_cap 0)."""
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    # ------------------------------------------------------------------ validation
-
-    def validate(self) -> None:
-        choices = {
-            "backend": BACKENDS, "rollout_quant": tuple(SCHEMES), "advantage": ADVANTAGES, "reward": tuple(REWARDS),
-            "loss_aggregation": AGGREGATIONS, "correction": CORRECTION_WEIGHTS, "correction_mode": ("decoupled", "bypass"),
-            "trainer_dtype": ("fp32", "bf16"), "rollout_dtype": ("bf16", "fp16", "fp32"), "kv_cache_dtype": ("bf16", "fp8"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name}={getattr(self, name)!r} is invalid; allowed: {', '.join(allowed)}")
-        positive = ("steps", "batch_size", "group_size", "mini_batches", "micro_batch_size", "max_prompt_tokens",
-                    "max_response_tokens", "max_batch")
-        for name in positive:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive integer")
-        if self.batch_size % self.group_size:
-            raise ConfigError(f"batch_size={self.batch_size} is not divisible by group_size={self.group_size}; "
-                              f"batch_size counts sequences (prompts per step x group_size)")
-        if (self.batch_size // self.mini_batches) * self.mini_batches != self.batch_size or \
-                (self.batch_size // self.mini_batches) % self.group_size:
-            raise ConfigError(f"batch_size={self.batch_size} must split into mini_batches={self.mini_batches} "
-                              f"whole groups of {self.group_size}")
-        if self.lr <= 0 or self.grad_clip < 0 or self.kl_coef < 0 or self.tis_cap < 0:
-            raise ConfigError("lr must be > 0; grad_clip, kl_coef and tis_cap must be >= 0")
-        if self.group_size < 2 and self.advantage != "drgrpo":
-            raise ConfigError(f"advantage={self.advantage!r} needs group_size >= 2")
-        self.correction_config()  # raises on invalid correction settings
-        self.llm_kwargs()
-        if self.correction_mode == "bypass" and self.mini_batches > 1:
-            raise ConfigError("correction_mode='bypass' takes the PPO ratio against the rollout policy; use mini_batches=1")
-        if self.keep_last is not None and (isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int)
-                                           or self.keep_last < 1):
-            raise ConfigError(f"keep_last={self.keep_last!r} must be a positive integer (or none to keep every checkpoint)")
-        self.resume_allowed()
-        if self.compare:
-            from flashrl.rl.run import compare_variants
-
-            compare_variants(self.compare)
-
-    def resume_allowed(self) -> set[str] | None:
-        """Fields `resume_allow_changes` lets differ from the checkpoint's config (None: all of them)."""
-        value = (self.resume_allow_changes or "").strip()
-        if value.lower() in ("all", "true"):
-            return None
-        names = {n.strip() for n in value.split(",") if n.strip()}
-        unknown = sorted(names - set(TrainConfig.__dataclass_fields__))
-        if unknown:
-            raise ConfigError(f"resume_allow_changes names unknown field(s) {', '.join(unknown)}; allowed: 'all' or "
-                              f"comma-separated TrainConfig fields, e.g. seed,rollout_quant")
-        return names
-
-    def correction_config(self) -> CorrectionConfig:
-        """The `CorrectionConfig` these settings describe (tis_cap 0 turns the IS weight off)."""
-        weight = "none" if self.tis_cap == 0 and self.correction in ("token_tis", "seq_tis") else self.correction
-        values: dict[str, Any] = dict(mode=self.correction_mode, weight=weight)
-        if self.tis_cap > 0:
-            values["cap"] = self.tis_cap
-        if self.correction_band:
-            values["band"] = self.correction_band
-        if self.rejection:
-            values["rejection"] = self.rejection
-        if self.rejection_thresholds:
-            values["rejection_thresholds"] = self.rejection_thresholds
-        return CorrectionConfig.from_dict(values)
+    e.g. 'bf16,int8,int8-notis,fp8' ('-notis' sets correction.weight none)."""
 
     def llm_kwargs(self) -> dict[str, Any]:
         """`vllm_kwargs` parsed (a JSON object)."""
@@ -201,119 +138,190 @@ class TrainConfig:
         try:
             value = json.loads(self.vllm_kwargs)
         except json.JSONDecodeError as err:
-            raise ConfigError(f"vllm_kwargs={self.vllm_kwargs!r} is not valid JSON ({err.msg})") from None
+            raise ConfigError(f"run.vllm_kwargs={self.vllm_kwargs!r} is not valid JSON "
+                              f"({err.msg})") from None
         if not isinstance(value, dict):
-            raise ConfigError(f"vllm_kwargs={self.vllm_kwargs!r} must be a JSON object")
+            raise ConfigError(f"run.vllm_kwargs={self.vllm_kwargs!r} must be a JSON object")
         return value
 
-    # ------------------------------------------------------------------ I/O
+
+DEFAULT_ROLLOUT = RolloutConfig(quant="int8")
+"""The rollout group of a `TrainConfig` that sets none (int8 weights, the rest RolloutConfig's)."""
+GROUPS: dict[str, type] = {"data": DataConfig, "rollout": RolloutConfig,
+                           "correction": CorrectionConfig, "algo": AlgoConfig, "run": RunConfig}
+"""The nested groups of `TrainConfig`, in order."""
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of one training run (see the module doc for the groups)."""
+
+    model: str | None = None
+    """Hugging Face checkpoint directory; None uses the built-in tiny model (built on first use)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = DEFAULT_ROLLOUT
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise a ConfigError naming the first invalid field (dotted) and what is allowed."""
+        d, a, r = self.data, self.algo, self.run
+        choices = {"run.backend": (r.backend, BACKENDS), "algo.advantage": (a.advantage, ADVANTAGES),
+                   "data.reward": (d.reward, tuple(REWARDS)),
+                   "algo.loss_aggregation": (a.loss_aggregation, AGGREGATIONS),
+                   "run.trainer_dtype": (r.trainer_dtype, TRAINER_DTYPES),
+                   "run.rollout_dtype": (r.rollout_dtype, ROLLOUT_DTYPES)}
+        for name, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ConfigError(f"{name}={value!r} is invalid; allowed: {', '.join(allowed)}")
+        positive = {"run.steps": r.steps, "algo.batch_size": a.batch_size,
+                    "algo.group_size": a.group_size, "algo.mini_batches": a.mini_batches,
+                    "run.micro_batch_size": r.micro_batch_size,
+                    "algo.max_prompt_tokens": a.max_prompt_tokens,
+                    "algo.max_response_tokens": a.max_response_tokens, "run.max_batch": r.max_batch}
+        for name, value in positive.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        self._check_batch()
+        if a.lr <= 0 or a.grad_clip < 0 or a.kl_coef < 0:
+            raise ConfigError("algo.lr must be > 0; algo.grad_clip and algo.kl_coef must be >= 0")
+        if self.correction.mode == "bypass" and a.mini_batches > 1:
+            raise ConfigError("correction.mode='bypass' takes the PPO ratio against the rollout "
+                              "policy; use algo.mini_batches=1")
+        r.llm_kwargs()
+        keep = r.keep_last
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ConfigError(f"run.keep_last={keep!r} must be a positive integer (or none to keep "
+                              f"every checkpoint)")
+        self.resume_allowed()
+        if r.compare:
+            compare_variants(r.compare)
+
+    def _check_batch(self) -> None:
+        a = self.algo
+        if a.batch_size % a.group_size:
+            raise ConfigError(f"algo.batch_size={a.batch_size} is not divisible by "
+                              f"algo.group_size={a.group_size}; batch_size counts sequences "
+                              f"(prompts per step x group_size)")
+        mini = a.batch_size // a.mini_batches
+        if mini * a.mini_batches != a.batch_size or mini % a.group_size:
+            raise ConfigError(f"algo.batch_size={a.batch_size} must split into "
+                              f"algo.mini_batches={a.mini_batches} whole groups of {a.group_size}")
+        if a.group_size < 2 and a.advantage != "drgrpo":
+            raise ConfigError(f"algo.advantage={a.advantage!r} needs algo.group_size >= 2")
+
+    def resume_allowed(self) -> set[str] | None:
+        """Dotted fields `run.resume_allow_changes` lets differ from the checkpoint's config (None:
+        all of them). A group name stands for its fields (also ``data`` and ``correction``, which
+        were field names in 0.1); an old flat name for its new name."""
+        value = (self.run.resume_allow_changes or "").strip()
+        if value.lower() in ("all", "true"):
+            return None
+        names, unknown = set(), []
+        known = set(field_names())
+        for name in (n.strip() for n in value.split(",") if n.strip()):
+            name = name if name in GROUPS else LEGACY_NAMES.get(name, name)
+            matched = {k for k in known if k == name or k.startswith(name + ".")}
+            names |= matched
+            if not matched:
+                unknown.append(name)
+        if unknown:
+            raise ConfigError(f"run.resume_allow_changes names unknown field(s) "
+                              f"{', '.join(sorted(unknown))}; allowed: 'all' or comma-separated "
+                              f"TrainConfig fields or groups, e.g. run.seed,rollout.quant")
+        return names
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The nested config as plain YAML / JSON data (tuples become lists)."""
+        out: dict[str, Any] = {"model": self.model}
+        for name in GROUPS:
+            out[name] = _plain(dataclasses.asdict(getattr(self, name)))
+        return out
+
+    def flat_dict(self) -> dict[str, Any]:
+        """``{"model": ..., "algo.lr": ..., ...}``: every field under its dotted name."""
+        return flatten(self.to_dict())
 
     def save_yaml(self, path: str | Path) -> Path:
         return atomic_write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
+    def replace(self, values: dict[str, Any]) -> TrainConfig:
+        """A copy with dotted fields replaced (typed values), validated."""
+        groups: dict[str, dict[str, Any]] = {}
+        top = {}
+        for key, value in values.items():
+            group, _, name = key.partition(".")
+            if name:
+                groups.setdefault(group, {})[name] = value
+            else:
+                top[key] = value
+        for group, changes in groups.items():
+            top[group] = dataclasses.replace(getattr(self, group), **changes)
+        return dataclasses.replace(self, **top)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def flatten(nested: dict[str, Any]) -> dict[str, Any]:
+    """One level of nesting to dotted keys: ``{"algo": {"lr": 1}}`` -> ``{"algo.lr": 1}``."""
+    out: dict[str, Any] = {}
+    for key, value in nested.items():
+        if key in GROUPS and isinstance(value, dict):
+            out.update({f"{key}.{name}": v for name, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
+def field_names() -> list[str]:
+    """Every dotted field name of `TrainConfig`, in order."""
+    return ["model"] + [f"{group}.{f.name}" for group, cls in GROUPS.items() for f in fields(cls)]
+
 
 def field_types() -> dict[str, Any]:
-    hints = get_type_hints(TrainConfig)
-    return {f.name: hints[f.name] for f in fields(TrainConfig)}
+    """Dotted field name -> type hint."""
+    out = {"model": get_type_hints(TrainConfig)["model"]}
+    for group, cls in GROUPS.items():
+        hints = get_type_hints(cls)
+        out.update({f"{group}.{f.name}": hints[f.name] for f in fields(cls)})
+    return out
 
 
-_KINDS = {bool: ("a boolean", "true or false"), int: ("an integer",) * 2, float: ("a number",) * 2,
-          str: ("a string",) * 2}
-
-
-def coerce(name: str, value: Any, source: str | None = None) -> Any:
-    """Convert a command-line string or a YAML value to the field's type (``int | None`` etc.).
-
-    Strings are parsed (``"10"``, ``"true"``, ``"none"``); YAML values must already have the type, except
-    that an int is a valid float and a number a valid string. Errors name `source` (the file), the
-    field, the value and the expected type."""
-    hint = field_types()[name]
-    kinds = [t for t in getattr(hint, "__args__", (hint,)) if t is not type(None)]
-    optional = type(None) in getattr(hint, "__args__", ())
-    kind = kinds[0]
-    prefix = f"{source}: " if source else ""
-
-    def bad(detail: str = "") -> ConfigError:
-        what, expected = _KINDS[kind]
-        expected += " or none" if optional else ""
-        return ConfigError(f"{prefix}{name}={value!r} is not {what}{detail}; expected {expected}")
-
-    if value is None or (optional and isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
-        if not optional:
-            raise ConfigError(f"{prefix}{name} cannot be empty; expected {_KINDS[kind][1]}")
-        return None
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        low = value.strip().lower() if isinstance(value, str) else None
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise bad()
-    if kind is int:
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                raise bad() from None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise bad()
-    if kind is float:
-        if isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                raise bad() from None
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        else:
-            raise bad()
-        if math.isnan(number):
-            raise bad(" (NaN)")
-        return number
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)  # e.g. `rejection_thresholds: 0.01`
-    if name == "vllm_kwargs" and isinstance(value, dict):
-        return json.dumps(value)  # a YAML mapping of vllm.LLM arguments
-    raise bad()
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML file of TrainConfig fields (`yaml.safe_load`: nothing in it can run code)."""
-    data = read_yaml(path)
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of TrainConfig fields, got {type(data).__name__}")
-    return data
-
-
-def build_config(preset: str | None, yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig:
-    """Merge preset < YAML < overrides into a validated `TrainConfig`; unknown keys are errors."""
-    from flashrl.rl.presets import PRESETS
-
-    if preset is not None and preset not in PRESETS:
-        raise ConfigError(f"unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
-    allowed = set(field_types())
-    values: dict[str, Any] = dict(PRESETS[preset]) if preset else {}
-    explicit: set[str] = set()
-    layers = (("YAML", str(yaml_path), load_yaml(yaml_path) if yaml_path else {}), ("overrides", None, overrides))
-    for source, path, layer in layers:
-        unknown = sorted(map(str, set(layer) - allowed))
-        if unknown:
-            raise ConfigError(f"unknown config key(s) in {path or source}: {', '.join(unknown)}; "
-                              f"allowed: {', '.join(sorted(allowed))}")
-        values.update({k: coerce(k, v, path) for k, v in layer.items()})
-        explicit |= set(layer)
-    if values.get("rollout_config") and "rollout_quant" not in explicit:
-        # a flashrl.yaml (from `flashrl setup`) names its scheme; a preset's default must not override it
-        from flashrl.config import resolve_config
-
-        values["rollout_quant"] = resolve_config(values["rollout_config"], source="rollout_config").quant
-    return TrainConfig(**values)
+def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
+    """'bf16,int8,int8-notis' -> [(name, dotted overrides)], '-notis' meaning no importance weight
+    (`variant_configs` applies it to TIS weights only, as ``tis_cap: 0`` did). Each variant is one
+    run directory, so a variant listed twice (also in another spelling, e.g. INT8) is a
+    ConfigError."""
+    out, seen = [], {}
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        no_tis = item.lower().endswith("-notis")
+        scheme = item[: -len("-notis")] if no_tis else item
+        try:
+            name = get_scheme(scheme).name
+        except ValueError as err:
+            raise ConfigError(f"run.compare={spec!r}: {err}") from None
+        key = name + ("-notis" if no_tis else "")
+        if key in seen:
+            raise ConfigError(f"run.compare={spec!r} lists {key!r} twice ({seen[key]!r} and "
+                              f"{item!r}); each variant is one run directory under output_dir: "
+                              f"list it once")
+        seen[key] = item
+        overrides: dict[str, Any] = {"rollout.quant": name}
+        if no_tis:
+            overrides["correction.weight"] = "none"
+        out.append((key, overrides))
+    if not out:
+        raise ConfigError(f"run.compare={spec!r} needs at least one scheme, e.g. bf16,int8,int8-notis")
+    return out

@@ -3,11 +3,11 @@
 `tiny-cpu` (the default): a 4-layer, hidden-128 Qwen2-style model with a character tokenizer learns
 `a+b=` additions (operands 0..9) with int8 rollouts and token TIS. The model is built reproducibly
 on first use: random init (seed 0) plus a short supervised warm-start (200 steps) that leaves it at
-roughly 35-40% sampled accuracy, so RL has a clear reward to climb (to about 75% in 200 steps). It is cached under `$FLASHRL_CACHE` (default
-`~/.cache/flashrl`).
+roughly 35-40% sampled accuracy, so RL has a clear reward to climb (to about 75% in 200 steps).
+It is cached under `$FLASHRL_CACHE` (default `~/.cache/flashrl`).
 
-`gsm8k-qwen2.5-0.5b`: GSM8K with Qwen2.5-0.5B-Instruct on one GPU; pass `--model DIR --data FILE`
-(local copies: nothing is downloaded).
+`gsm8k-qwen2.5-0.5b`: GSM8K with Qwen2.5-0.5B-Instruct on one GPU; pass `--model DIR
+--data.path FILE` (local copies: nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,21 +28,28 @@ logger = logging.getLogger(__name__)
 
 TINY_TASK = dict(task_max_operand=9, task_ops="+")
 
-PRESETS: dict[str, dict] = {
-    "tiny-cpu": dict(
-        **TINY_TASK, reward="exact_match", rollout_quant="int8", rollout_dtype="bf16", tis_cap=2.0,
-        max_prompt_tokens=16, max_response_tokens=6, steps=200, batch_size=128, group_size=8, micro_batch_size=128,
-        lr=3e-4, temperature=1.0, device="cpu", trainer_dtype="fp32", output_dir="runs/tiny-cpu",
-    ),
-    "gsm8k-qwen2.5-0.5b": dict(
-        reward="math_verify", prompt_field="question", answer_field="answer",
-        prompt_template="{prompt} Let's think step by step and output the final answer after \"####\".",
-        rollout_quant="int8", rollout_dtype="bf16", tis_cap=2.0, max_prompt_tokens=512, max_response_tokens=1024,
-        steps=200, batch_size=256, group_size=8, micro_batch_size=16, lr=1e-6, temperature=1.0,
-        trainer_dtype="bf16", loss_aggregation="token_mean", clip_low=0.2, clip_high=0.28,
-        output_dir="runs/gsm8k-qwen2.5-0.5b",
-    ),
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-cpu": {
+        "data.task_max_operand": TINY_TASK["task_max_operand"], "data.task_ops": TINY_TASK["task_ops"],
+        "data.reward": "exact_match", "rollout.quant": "int8", "correction.cap": 2.0,
+        "algo.max_prompt_tokens": 16, "algo.max_response_tokens": 6, "algo.batch_size": 128,
+        "algo.group_size": 8, "algo.lr": 3e-4, "algo.temperature": 1.0, "run.steps": 200,
+        "run.micro_batch_size": 128, "run.rollout_dtype": "bf16", "run.device": "cpu",
+        "run.trainer_dtype": "fp32", "run.output_dir": "runs/tiny-cpu",
+    },
+    "gsm8k-qwen2.5-0.5b": {
+        "data.reward": "math_verify", "data.prompt_field": "question", "data.answer_field": "answer",
+        "data.prompt_template": "{prompt} Let's think step by step and output the final answer "
+                                "after \"####\".",
+        "rollout.quant": "int8", "correction.cap": 2.0, "algo.max_prompt_tokens": 512,
+        "algo.max_response_tokens": 1024, "algo.batch_size": 256, "algo.group_size": 8,
+        "algo.lr": 1e-6, "algo.temperature": 1.0, "algo.loss_aggregation": "token_mean",
+        "algo.clip_low": 0.2, "algo.clip_high": 0.28, "run.steps": 200, "run.micro_batch_size": 16,
+        "run.rollout_dtype": "bf16", "run.trainer_dtype": "bf16",
+        "run.output_dir": "runs/gsm8k-qwen2.5-0.5b",
+    },
 }
+"""Named presets: dotted `TrainConfig` fields (see `flashrl.rl.config`)."""
 
 TINY_MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)

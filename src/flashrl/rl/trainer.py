@@ -34,135 +34,73 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from flashrl.config import RolloutConfig, resolve_config
+from flashrl.core.device import peak_memory_bytes, resolve_device, resolve_dtype
+from flashrl.core.env import from_env
+from flashrl.core.rollout import Rollout, RolloutBackend
+from flashrl.core.sampling import SamplingParams
 from flashrl.correction import compute_correction, ppo_clip_loss
-from flashrl.core.device import peak_memory_bytes, resolve_dtype
-from flashrl.core.sampling import SamplingParams, replay_processed_logprobs
 from flashrl.errors import CheckpointError
 from flashrl.rl import algo
 from flashrl.rl import checkpoint as ckpt
-from flashrl.rl.checkpoint import read_metrics  # noqa: F401 (public as flashrl.rl.trainer.read_metrics)
+from flashrl.rl.batch import Batch, response_logprobs
+from flashrl.rl.checkpoint import read_metrics  # noqa: F401 (public here too)
 from flashrl.rl.config import RESUME_FREE_FIELDS, TrainConfig
+from flashrl.rl.config_build import stored_values
 from flashrl.rl.data import ArithmeticTask, Example, FileDataset, PromptSource, render_prompt
 from flashrl.rl.rewards import get_reward
-from flashrl.core.rollout import Rollout, RolloutBackend
 from flashrl.utils import synchronize
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Batch:
-    """Padded tensors of one rollout batch; response token t of row i sits at position
-    ``prompt_lens[i] + t`` of `input_ids`."""
-
-    input_ids: torch.Tensor        # [N, L] prompt + response, right-padded with 0
-    attention_mask: torch.Tensor   # [N, L]
-    prompt_lens: torch.Tensor      # [N]
-    response_ids: torch.Tensor     # [N, R]
-    response_mask: torch.Tensor    # [N, R] bool
-    rollout_logprobs: torch.Tensor  # [N, R] fp32, 0 on padding
-    advantages: torch.Tensor       # [N]
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def select(self, rows: torch.Tensor | slice) -> "Batch":
-        return Batch(*(getattr(self, f)[rows] for f in self.__dataclass_fields__))
-
-    @classmethod
-    def build(cls, rollouts: list[Rollout], advantages: torch.Tensor, device: torch.device) -> "Batch":
-        n = len(rollouts)
-        resp_len = max(1, max(len(r.response_ids) for r in rollouts))
-        total = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
-        input_ids = torch.zeros(n, total, dtype=torch.long)
-        attention = torch.zeros(n, total, dtype=torch.long)
-        response_ids = torch.zeros(n, resp_len, dtype=torch.long)
-        mask = torch.zeros(n, resp_len, dtype=torch.bool)
-        logprobs = torch.zeros(n, resp_len, dtype=torch.float32)
-        for i, r in enumerate(rollouts):
-            seq = r.prompt_ids + r.response_ids
-            input_ids[i, : len(seq)] = torch.tensor(seq)
-            attention[i, : len(seq)] = 1
-            k = len(r.response_ids)
-            response_ids[i, :k] = torch.tensor(r.response_ids, dtype=torch.long)
-            mask[i, :k] = True
-            logprobs[i, :k] = torch.tensor(r.logprobs, dtype=torch.float32)
-        prompt_lens = torch.tensor([len(r.prompt_ids) for r in rollouts])
-        return cls(input_ids.to(device), attention.to(device), prompt_lens.to(device), response_ids.to(device),
-                   mask.to(device), logprobs.to(device), advantages.to(device))
-
-
-def response_logprobs(model, batch: Batch, params: SamplingParams, with_entropy: bool = False):
-    """Trainer logprobs [N, R] of the response tokens under the processed distribution (the rollout's
-    temperature and top-k/top-p replayed), computing the LM head only at response positions."""
-    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-    r = batch.response_ids.shape[1]
-    positions = (batch.prompt_lens[:, None] - 1 + torch.arange(r, device=hidden.device)).clamp(max=hidden.shape[1] - 1)
-    picked = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
-    logits = model.get_output_embeddings()(picked).float()
-    temperature = params.temperature if params.temperature > 0 else 1.0
-    lp = replay_processed_logprobs(logits, batch.response_ids, temperature, params.top_k, params.top_p)
-    lp = torch.where(batch.response_mask, lp, torch.zeros_like(lp))
-    if not with_entropy:
-        return lp, None
-    with torch.no_grad():
-        from flashrl.core.sampling import process_logits
-
-        logp = torch.log_softmax(process_logits(logits.detach(), temperature, params.top_k, params.top_p), -1)
-        entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
-    return lp, entropy
 
 
 class Trainer:
     def __init__(self, config: TrainConfig, backend: RolloutBackend | None = None) -> None:
         import transformers
 
-        from flashrl.config import from_env
-
         self.config = config
-        self.output_dir = ckpt.check_output_dir(config.output_dir)
-        # the rollout scheme comes from rollout_quant / rollout_config, but a bad FLASHRL_* value is an
-        # error here as in every other command
+        self.output_dir = ckpt.check_output_dir(config.run.output_dir)
+        # the rollout scheme comes from config.rollout, but a bad FLASHRL_* value is an error here
+        # as in every other command
         from_env()
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(config.run.device)
         self.model_dir = self._model_dir()
         tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
         if not any((self.model_dir / f).is_file() for f in tokenizer_files):
-            raise FileNotFoundError(f"model directory {self.model_dir} has no tokenizer (expected tokenizer.json or "
-                                    f"tokenizer_config.json); save one with tokenizer.save_pretrained(DIR)")
+            raise FileNotFoundError(f"model directory {self.model_dir} has no tokenizer (expected "
+                                    f"tokenizer.json or tokenizer_config.json); save one with "
+                                    f"tokenizer.save_pretrained(DIR)")
         resume_dir, state, damaged, discard = self._plan_run()
         source_dir = resume_dir or self.model_dir
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
-        dtype = torch.float32 if config.trainer_dtype == "fp32" else torch.bfloat16
+        dtype = resolve_dtype(config.run.trainer_dtype)
         # a checkpoint's weights load from safetensors only (never a pickled pytorch_model.bin)
         self.policy = transformers.AutoModelForCausalLM.from_pretrained(
             source_dir, dtype=dtype, use_safetensors=True if resume_dir else None).to(self.device)
         self.policy.config.use_cache = False
         self.reference = None
-        if config.kl_coef > 0:
+        if config.algo.kl_coef > 0:
             self.reference = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
             self.reference.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=config.lr, weight_decay=config.weight_decay,
-                                           betas=(0.9, 0.999))
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=config.algo.lr,
+                                           weight_decay=config.algo.weight_decay, betas=(0.9, 0.999))
         self.source = self._prompt_source()
-        self.reward_fn = get_reward(config.reward)
-        self.correction = config.correction_config()
-        self.sampling = SamplingParams(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-                                       max_tokens=config.max_response_tokens, n=config.group_size)
+        self.reward_fn = get_reward(config.data.reward)
+        self.correction = config.correction
+        a = config.algo
+        self.sampling = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                                       max_tokens=a.max_response_tokens, n=a.group_size)
         self.step = 0
         if resume_dir is not None:
             self._load_state(resume_dir, state)
         self.backend = backend or self._make_backend(source_dir)
         # every check passed and the models loaded: only now change what is on disk
         ckpt.set_damaged_aside(damaged, resume_dir)
-        ckpt.remove(discard, "--overwrite")
+        ckpt.remove(discard, "--run.overwrite")
         ckpt.clean_partial_writes(self.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         config.save_yaml(self.output_dir / "config.yaml")
@@ -183,11 +121,12 @@ class Trainer:
         return path
 
     def _plan_run(self) -> tuple[Path | None, dict | None, list[tuple[Path, str]], list[Path]]:
-        """Check the run directory and the checkpoint to resume before any work; changes nothing on disk.
+        """Check the run directory and the checkpoint to resume before any work; changes nothing on
+        disk.
 
         Returns (checkpoint to resume or None, its trainer state, damaged newer checkpoints that
-        `--resume latest` skipped, paths `overwrite` deletes)."""
-        c, out = self.config, self.output_dir
+        `--run.resume latest` skipped, paths `overwrite` deletes)."""
+        c, out = self.config.run, self.output_dir
         if not c.resume:
             if not c.overwrite:
                 ckpt.refuse_existing_run(out, overwrite=False)
@@ -207,9 +146,10 @@ class Trainer:
         skipped = {p for p, _ in damaged}
         newer = [p for step, p in ckpt.list_checkpoints(out) if step > state["step"] and p not in skipped]
         if newer and not c.overwrite:
-            raise CheckpointError(f"--resume {c.resume}: {', '.join(p.name for p in newer)} of this run is newer than "
-                                  f"{path.name}; resuming from {path.name} would discard it: pass --overwrite true to "
-                                  f"delete the newer checkpoints, or --resume latest")
+            raise CheckpointError(f"--run.resume {c.resume}: {', '.join(p.name for p in newer)} of this "
+                                  f"run is newer than {path.name}; resuming from {path.name} would "
+                                  f"discard it: pass --run.overwrite true to delete the newer "
+                                  f"checkpoints, or --run.resume latest")
         return path, state, damaged, newer
 
     def _check_resume_config(self, path: Path, stored: dict) -> None:
@@ -218,67 +158,69 @@ class Trainer:
         allowed = self.config.resume_allowed()
         if allowed is None:
             return
-        diffs = ckpt.config_differences(stored, self.config.to_dict(), set(RESUME_FREE_FIELDS) | allowed)
+        diffs = ckpt.config_differences(stored_values(stored), self.config.flat_dict(),
+                                        set(RESUME_FREE_FIELDS) | allowed)
         if diffs:
             names = ",".join(d.split(":")[0] for d in diffs)
-            raise CheckpointError(f"--resume {self.config.resume}: this config differs from the one {path} was trained "
-                                  f"with: {'; '.join(diffs)}. These change what the run computes; to continue anyway "
-                                  f"pass --resume-allow-changes {names} (free to change: {', '.join(RESUME_FREE_FIELDS)})")
+            raise CheckpointError(f"--run.resume {self.config.run.resume}: this config differs from the "
+                                  f"one {path} was trained with: {'; '.join(diffs)}. These change "
+                                  f"what the run computes; to continue anyway pass "
+                                  f"--run.resume-allow-changes {names} (free to change: "
+                                  f"{', '.join(RESUME_FREE_FIELDS)})")
 
     def _prompt_source(self) -> PromptSource:
-        c = self.config
-        if c.data is None:
-            return ArithmeticTask(seed=c.seed, max_operand=c.task_max_operand, ops=c.task_ops)
-        return FileDataset(c.data, c.prompt_field, c.answer_field, seed=c.seed, prompt_template=c.prompt_template)
-
-    def rollout_config(self) -> RolloutConfig:
-        """The engine's RolloutConfig: the `rollout_config` file (skip list, KV cache, ...) if any, with
-        this run's scheme (`rollout_quant`, which defaults to the file's scheme) and overrides."""
-        c = self.config
-        base = resolve_config(c.rollout_config, source="rollout_config") if c.rollout_config else RolloutConfig()
-        values = {**base.to_dict(), "quant": c.rollout_quant, "lm_head_fp32": c.lm_head_fp32 or base.lm_head_fp32,
-                  "kv_cache_dtype": c.kv_cache_dtype if c.kv_cache_dtype != "bf16" else base.kv_cache_dtype}
-        return RolloutConfig.from_dict(values)
+        d, seed = self.config.data, self.config.run.seed
+        if d.path is None:
+            return ArithmeticTask(seed=seed, max_operand=d.task_max_operand, ops=d.task_ops)
+        return FileDataset(d.path, d.prompt_field, d.answer_field, seed=seed,
+                           prompt_template=d.prompt_template)
 
     def _make_backend(self, model_dir: Path) -> RolloutBackend:
-        c = self.config
-        max_len = c.max_prompt_tokens + c.max_response_tokens
-        if c.backend == "vllm":
+        a, r = self.config.algo, self.config.run
+        max_len = a.max_prompt_tokens + a.max_response_tokens
+        max_batch = min(r.max_batch, a.batch_size)
+        if r.backend == "vllm":
             from flashrl.vllm_backend import VLLMBackend
 
-            kwargs = {"max_model_len": max_len, "max_num_seqs": min(c.max_batch, c.batch_size), **c.llm_kwargs()}
-            return VLLMBackend(model_dir, self.rollout_config(), dtype=resolve_dtype(c.rollout_dtype), seed=c.seed, **kwargs)
+            kwargs = {"max_model_len": max_len, "max_num_seqs": max_batch, **r.llm_kwargs()}
+            return VLLMBackend(model_dir, self.config.rollout, dtype=resolve_dtype(r.rollout_dtype),
+                               seed=r.seed, **kwargs)
         from flashrl.engine.engine import Engine
 
-        return Engine(model_dir, quant=self.rollout_config(), dtype=c.rollout_dtype, device=self.device,
-                      max_batch=min(c.max_batch, c.batch_size), max_len=max_len, progress=False)
+        return Engine(model_dir, quant=self.config.rollout, dtype=r.rollout_dtype, device=self.device,
+                      max_batch=max_batch, max_len=max_len, progress=False)
 
     # ------------------------------------------------------------------ one step
 
     def _encode(self, examples: list[Example]) -> list[list[int]]:
+        d, limit = self.config.data, self.config.algo.max_prompt_tokens
+        special = not d.chat_template or not self.tokenizer.chat_template
         out = []
         for ex in examples:
-            text = render_prompt(self.tokenizer, ex.prompt, self.config.chat_template, self.config.system_prompt)
-            ids = self.tokenizer(text, add_special_tokens=not self.config.chat_template or not self.tokenizer.chat_template)["input_ids"]
-            out.append(ids[-self.config.max_prompt_tokens:])  # keep the end: the question and generation prompt
+            text = render_prompt(self.tokenizer, ex.prompt, d.chat_template, d.system_prompt)
+            ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
+            out.append(ids[-limit:])  # keep the end: the question and generation prompt
         return out
 
     def rollout(self, step: int) -> tuple[list[Example], list[Rollout]]:
-        c = self.config
-        examples = self.source.batch(step, c.batch_size // c.group_size)
-        params = dataclasses.replace(self.sampling, seed=c.seed * 1_000_003 + step)
+        a = self.config.algo
+        examples = self.source.batch(step, a.batch_size // a.group_size)
+        params = dataclasses.replace(self.sampling, seed=self.config.run.seed * 1_000_003 + step)
         return examples, self.backend.generate(self._encode(examples), params)
 
     def rewards(self, examples: list[Example], rollouts: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
         """Task scores [N] and the overlong penalty [N] (added to the scores to form rewards)."""
-        c = self.config
-        scores = torch.tensor([self.reward_fn(r.text, examples[r.prompt_index].answer) for r in rollouts])
+        a = self.config.algo
+        scores = torch.tensor([self.reward_fn(r.text, examples[r.prompt_index].answer)
+                               for r in rollouts])
         lengths = torch.tensor([len(r.response_ids) for r in rollouts])
-        return scores, algo.overlong_penalty(lengths, c.max_response_tokens, c.overlong_buffer, c.overlong_penalty)
+        return scores, algo.overlong_penalty(lengths, a.max_response_tokens, a.overlong_buffer,
+                                             a.overlong_penalty)
 
     def train_step(self) -> dict[str, float]:
-        """Run one RL step (rollout, reward, correction, update, weight sync); returns its metrics."""
-        c, step, t = self.config, self.step, {}
+        """Run one RL step (rollout, reward, correction, update, weight sync); returns its
+        metrics."""
+        c, step, t = self.config.algo, self.step, {}
         start = time.perf_counter()
         examples, rollouts = self.rollout(step)
         t["rollout"] = time.perf_counter() - start
@@ -287,7 +229,8 @@ class Trainer:
         scores, penalty = self.rewards(examples, rollouts)
         rewards = scores + penalty
         advantages = algo.group_advantages(rewards, c.group_size, c.advantage, c.norm_adv_by_std)
-        keep = algo.informative_groups(rewards, c.group_size) if c.dynamic_sampling else torch.ones(len(rollouts), dtype=torch.bool)
+        keep = (algo.informative_groups(rewards, c.group_size) if c.dynamic_sampling
+                else torch.ones(len(rollouts), dtype=torch.bool))
         t["reward"] = time.perf_counter() - mark
 
         metrics: dict[str, float] = {"step": step}
@@ -321,17 +264,18 @@ class Trainer:
         }
 
     def _update(self, batch: Batch, t: dict[str, float]) -> dict[str, float]:
-        c = self.config
+        c, micro = self.config.algo, self.config.run.micro_batch_size
         mark = time.perf_counter()
         self.policy.eval()
         with torch.no_grad():
             old, entropy = self._logprobs(self.policy, batch, with_entropy=True)
             ref = self._logprobs(self.reference, batch)[0] if self.reference is not None else None
         t["logprobs"] = time.perf_counter() - mark
-        # decoupled: PPO ratio against the trainer's own recompute, IS weights correct pi_old / pi_roll;
-        # bypass: the ratio is taken against the rollout logprobs and the weights only carry rejection
+        # decoupled: PPO ratio against the trainer's own recompute, IS weights correct
+        # pi_old / pi_roll; bypass: the ratio is taken against the rollout logprobs and the weights
+        # only carry rejection
         corr = compute_correction(old, batch.rollout_logprobs, batch.response_mask, self.correction)
-        ratio_base = old if c.correction_mode == "decoupled" else batch.rollout_logprobs
+        ratio_base = old if self.correction.mode == "decoupled" else batch.rollout_logprobs
         metrics = {f"rollout_corr/{k}": v for k, v in corr.metrics.items()}
         metrics["actor/entropy"] = (entropy * batch.response_mask).sum().item() / max(batch.response_mask.sum().item(), 1)
 
@@ -347,14 +291,15 @@ class Trainer:
             denominator = float(mb_mask.sum()) if c.loss_aggregation == "token_mean" else float(mini)
             for lr_group in self.optimizer.param_groups:
                 lr_group["lr"] = self._lr()
-            for start in range(rows.start, rows.stop, c.micro_batch_size):
-                sub = slice(start, min(start + c.micro_batch_size, rows.stop))
+            for start in range(rows.start, rows.stop, micro):
+                sub = slice(start, min(start + micro, rows.stop))
                 part = batch.select(sub)
                 lp, _ = self._logprobs(self.policy, part)
                 loss, stats = ppo_clip_loss(
                     lp, ratio_base[sub], part.advantages, corr.mask[sub], corr.weights[sub],
-                    clip_low=c.clip_low, clip_high=c.clip_high, dual_clip=c.dual_clip, aggregation=c.loss_aggregation,
-                    loss_scale_denominator=max(denominator, 1.0), max_length=c.max_response_tokens,
+                    clip_low=c.clip_low, clip_high=c.clip_high, dual_clip=c.dual_clip,
+                    aggregation=c.loss_aggregation, loss_scale_denominator=max(denominator, 1.0),
+                    max_length=c.max_response_tokens,
                 )
                 if ref is not None:
                     kl = algo.kl_penalty(lp, ref[sub], "k3")
@@ -378,15 +323,16 @@ class Trainer:
 
     def _logprobs(self, model, batch: Batch, with_entropy: bool = False):
         outs, ents = [], []
-        for start in range(0, len(batch), self.config.micro_batch_size):
-            lp, ent = response_logprobs(model, batch.select(slice(start, start + self.config.micro_batch_size)),
+        micro = self.config.run.micro_batch_size
+        for start in range(0, len(batch), micro):
+            lp, ent = response_logprobs(model, batch.select(slice(start, start + micro)),
                                         self.sampling, with_entropy)
             outs.append(lp)
             ents.append(ent)
         return torch.cat(outs), (torch.cat(ents) if with_entropy else None)
 
     def _lr(self) -> float:
-        c = self.config
+        c = self.config.algo
         if c.warmup_steps > 0 and self.step < c.warmup_steps:
             return c.lr * (self.step + 1) / c.warmup_steps
         return c.lr
@@ -394,10 +340,12 @@ class Trainer:
     # ------------------------------------------------------------------ loop, checkpoints, outputs
 
     def train(self) -> list[dict[str, float]]:
-        c = self.config
+        c = self.config.run
         history = []
-        # in a log file (not a terminal) refresh every 10 s instead of filling it with carriage returns
-        bar = tqdm(total=c.steps, initial=self.step, desc=f"train ({c.rollout_quant})", unit="step",
+        # in a log file (not a terminal) refresh every 10 s instead of filling it with carriage
+        # returns
+        bar = tqdm(total=c.steps, initial=self.step, desc=f"train ({self.config.rollout.quant})",
+                   unit="step",
                    mininterval=0.1 if sys.stderr.isatty() else 10.0)
         while self.step < c.steps:
             metrics = self.train_step()
@@ -410,12 +358,14 @@ class Trainer:
                 self.save_checkpoint()
         bar.close()
         if history or not (self.output_dir / f"checkpoint-{self.step}").is_dir():
-            self.save_checkpoint()  # (a resume with nothing left to train keeps the checkpoint it loaded)
+            # (a resume with nothing left to train keeps the checkpoint it loaded)
+            self.save_checkpoint()
         return history
 
     def save_checkpoint(self) -> Path:
-        """HF-format weights + tokenizer + optimizer/trainer state in `output_dir/checkpoint-<step>`,
-        written to a temporary directory, fsynced and renamed into place; then `keep_last` pruning."""
+        """HF-format weights + tokenizer + optimizer/trainer state in
+        `output_dir/checkpoint-<step>`, written to a temporary directory, fsynced and renamed into
+        place; then `keep_last` pruning."""
         state = ckpt.trainer_state(self.step, self.optimizer, self.config.to_dict())
 
         def write(tmp: Path) -> None:
@@ -424,14 +374,15 @@ class Trainer:
             torch.save(state, tmp / ckpt.STATE_FILE)
 
         path = ckpt.write_checkpoint_dir(self.output_dir / f"checkpoint-{self.step}", write)
-        ckpt.prune_checkpoints(self.output_dir, self.config.keep_last)
+        ckpt.prune_checkpoints(self.output_dir, self.config.run.keep_last)
         return path
 
     def _load_state(self, path: Path, state: dict) -> None:
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as err:
-            raise CheckpointError(f"{path / ckpt.STATE_FILE}: optimizer state does not fit this model ({err})") from None
+            raise CheckpointError(f"{path / ckpt.STATE_FILE}: optimizer state does not fit this "
+                                  f"model ({err})") from None
         self.step = int(state["step"])
         ckpt.restore_rng(state)
         logger.info("resumed from %s at step %d", path, self.step)

@@ -1,0 +1,128 @@
+"""`build_config`: a preset, a YAML file and command-line flags merged into a `TrainConfig`.
+
+Every layer is a mapping in one of three spellings, all read the same way: nested like the YAML
+file (``algo: {lr: 0.001}``), dotted like the flags (``algo.lr``), or the flat names of flashrl 0.1
+(``lr``, renamed with a DeprecationWarning, `flashrl.rl.legacy`). Values are converted to the
+field's type (`flashrl.rl.values.coerce`); the correction group is parsed by
+`CorrectionConfig.from_dict` (it takes verl-style strings such as ``"0.5_5.0"``).
+
+``rollout.file`` names a rollout config (a ``flashrl.yaml`` from `flashrl setup`, or a scheme
+name): it is the base of the rollout group, and rollout fields set in the YAML file or on the
+command line override it (a preset's do not: the file names its own scheme).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from flashrl.core.config import RolloutConfig, read_yaml, resolve_config
+from flashrl.correction import CorrectionConfig
+from flashrl.errors import ConfigError
+from flashrl.rl.config import DEFAULT_ROLLOUT, GROUPS, TrainConfig, field_types, flatten
+from flashrl.rl.legacy import TIS_CAP, is_legacy, rename, resolve_tis_cap
+from flashrl.rl.presets import PRESETS
+from flashrl.rl.values import coerce
+
+ROLLOUT_FILE = "rollout.file"
+_EXTRA_TYPES = {ROLLOUT_FILE: str | None, TIS_CAP: float}
+_CORRECTION_STRINGS = ("correction.band", "correction.rejection", "correction.rejection_thresholds")
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML file of TrainConfig fields (`yaml.safe_load`: nothing in it can run code)."""
+    data = read_yaml(path)
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of TrainConfig fields, "
+                          f"got {type(data).__name__}")
+    return data
+
+
+def layer_values(layer: Mapping[Any, Any], source: str, path: str | None = None,
+                 warn: bool = True) -> dict[str, Any]:
+    """One layer (nested, dotted or old flat names) as typed values under dotted names; unknown
+    keys are a ConfigError naming `path` (or `source`) and the allowed keys."""
+    items: list[tuple[Any, Any]] = []
+    for key, value in layer.items():
+        if is_legacy(key, value):
+            items.append((rename(key, path or source, warn), value))
+        elif key in GROUPS and isinstance(value, Mapping):
+            items += [(f"{key}.{name}", v) for name, v in value.items()]
+        elif key in GROUPS and value is not None:
+            raise ConfigError(f"{path or source}: {key} must be a mapping of "
+                              f"{GROUPS[key].__name__} fields, got {value!r}")
+        elif key not in GROUPS:
+            items.append((key, value))
+    types = {**field_types(), **_EXTRA_TYPES}
+    unknown = sorted(str(k) for k, _ in items if k not in types)
+    if unknown:
+        allowed = ", ".join(k for k in types if k != TIS_CAP)
+        raise ConfigError(f"unknown config key(s) in {path or source}: {', '.join(unknown)}; "
+                          f"allowed: {allowed}")
+    return {key: _typed(key, types[key], value, path) for key, value in items}
+
+
+def _typed(key: str, hint: Any, value: Any, path: str | None) -> Any:
+    if key.startswith("correction.") and key != TIS_CAP:  # parsed by CorrectionConfig.from_dict
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return str(value) if key in _CORRECTION_STRINGS and numeric else value
+    if key == "run.vllm_kwargs" and isinstance(value, dict):
+        value = json.dumps(value)  # a YAML mapping of vllm.LLM arguments
+    return coerce(key, hint, value, path)
+
+
+def from_values(values: Mapping[str, Any], explicit: set[str] | None = None) -> TrainConfig:
+    """A validated `TrainConfig` from typed dotted values; `explicit` names the rollout fields that
+    override a ``rollout.file`` (default: every one given)."""
+    values = dict(values)
+    resolve_tis_cap(values)
+    explicit = set(values) if explicit is None else explicit
+    groups: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
+    for key, value in values.items():
+        group, _, name = key.partition(".")
+        if name:
+            groups[group][name] = value
+    rollout = groups["rollout"]
+    file = rollout.pop("file", None)
+    base = resolve_config(file, source=ROLLOUT_FILE) if file else DEFAULT_ROLLOUT
+    if file:
+        rollout = {k: v for k, v in rollout.items() if f"rollout.{k}" in explicit}
+    built: dict[str, Any] = {
+        "rollout": RolloutConfig.from_dict({**base.to_dict(), **rollout}, source="rollout"),
+        "correction": CorrectionConfig.from_dict(groups["correction"]),
+    }
+    for name in ("data", "algo", "run"):
+        built[name] = GROUPS[name](**groups[name])
+    return TrainConfig(model=values.get("model"), **built)
+
+
+def build_config(preset: str | None, yaml_path: str | None,
+                 overrides: Mapping[str, Any]) -> TrainConfig:
+    """Merge preset < YAML < overrides into a validated `TrainConfig`; unknown keys are errors."""
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
+    values = layer_values(PRESETS[preset], f"preset {preset}") if preset else {}
+    explicit: set[str] = set()
+    layers = (("YAML", str(yaml_path), load_yaml(yaml_path) if yaml_path else {}),
+              ("overrides", None, overrides))
+    for source, path, layer in layers:
+        typed = layer_values(layer, source, path)
+        values.update(typed)
+        explicit |= set(typed)
+    return from_values(values, explicit)
+
+
+def stored_values(stored: Mapping[str, Any]) -> dict[str, Any]:
+    """The dotted values of the config a checkpoint stores: nested, or flat from flashrl 0.1
+    (renamed silently). Read into a `TrainConfig` where it still validates, so that both sides of
+    a resume comparison spell values alike; else the values as stored."""
+    try:
+        return from_values(layer_values(stored, "checkpoint", warn=False)).flat_dict()
+    except (ValueError, TypeError):  # ConfigError, or an old value this version refuses
+        out = {}
+        for key, value in flatten(dict(stored)).items():
+            out[rename(key, "checkpoint", warn=False) if is_legacy(key, value) else key] = value
+        return out

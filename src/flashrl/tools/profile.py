@@ -1,0 +1,341 @@
+"""`flashrl profile`: how much a scheme distorts a model and which layers to keep in bf16
+(`flashrl setup` then writes a config file that applies the answer).
+
+Needs only the bf16 checkpoint; works on every architecture the engine loads (Llama, Mistral, Qwen2,
+Qwen3), because it measures the engine's own linear layers. Steps of `run_profile`:
+
+1. Calibration data: prompts (a file, else the built-in `CALIBRATION_PROMPTS`, else, for a model
+   without a tokenizer, seeded random token ids) and one response per prompt sampled by the bf16
+   engine (temperature 1, seeded). The same sequences serve every scheme, so comparisons are paired.
+2. Per linear layer (forward hooks on the bf16 engine, one no-cache forward over all sequences):
+   for every checkpoint tensor (HF name; fused q/k/v and gate/up layers are split into their
+   shards) the relative weight error ``||W - deq(Q(W))|| / ||W||`` and the relative output error
+   ``||X W^T - QuantLinear(X)|| / ||X W^T||`` on the captured inputs X (fp32 outputs, bias
+   included on both sides, so the bf16 output rounding is not counted).
+3. End to end, per scheme: the quantized engine against the bf16 engine, by source:
+   ``exact`` (the weights): next-token distributions at every position of the calibration
+   sequences from no-cache forwards, compared over the full vocabulary in fp64 (no sampling noise;
+   decisions use these); ``kv_cache`` (the KV cache, with ``--kv-cache-dtype fp8``):
+   `Engine.kv_cache_mismatch`, the fp8 cache against an unquantized cache on the same weights,
+   teacher-forced on the calibration responses; ``sampled`` (everything together): the engine
+   generates its own responses through its cache, as in training, and
+   `flashrl.correction.mismatch_metrics` compares its logprobs with the bf16 engine's rescoring,
+   i.e. the numbers `flashrl train` logs at step 0.
+4. Skip recommendation: layers whose output error exceeds `threshold` on any of their shards are
+   kept in bf16 (every shard of a fused layer, since it runs as one GEMM), the engine is rebuilt
+   with that skip list and step 3 is repeated. Memory: weight bytes before and after.
+
+`DEFAULT_THRESHOLD` = 0.1 (10 % relative output error). Round-to-nearest alone gives about
+0.4-1.5 % for int8 W8A8 and 1.5-4 % for the fp8 schemes on layers without outliers (measured on
+tiny random and warm-started models; `down_proj`, fed by the heavy-tailed SwiGLU product, is the
+worst), so 0.1 flags only layers several times worse than rounding explains: weight or activation
+outliers that one scale per channel, token or tensor cannot cover.
+
+The JSON document (``schema_version`` 1, `ProfileResult.to_dict`) is described field by field in
+docs/profile.md. Modules: this one runs the profile, `flashrl.tools.profile_metrics` measures,
+`flashrl.tools.profile_report` prints the table, `flashrl.tools.setup` turns a profile into a
+rollout config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import inspect
+import json
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import flashrl
+from flashrl.core.config import KV_CACHE_DTYPES, RolloutConfig
+from flashrl.core.device import DTYPES
+from flashrl.core.rollout import Rollout
+from flashrl.core.sampling import SamplingParams
+from flashrl.engine import Engine
+from flashrl.errors import ConfigError, UnsupportedError
+from flashrl.fileio import atomic_write_text
+from flashrl.model.config import ModelConfig
+from flashrl.quant.linear import DEFAULT_SKIP
+from flashrl.quant.schemes import SCHEMES, parse_scheme_list
+from flashrl.tools.calibration_prompts import calibration_prompts, read_prompts_file
+from flashrl.tools.checks import strict_json
+from flashrl.tools.profile_metrics import (
+    distribution_mismatch,
+    layer_errors,
+    recommend_skip,
+    sampled_mismatch,
+)
+from flashrl.tools.verify_context import scheme_unsupported_reason
+from flashrl.utils import device_name
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+DEFAULT_THRESHOLD = 0.1
+"""Relative output error above which a layer is recommended to stay in bf16 (see module doc)."""
+MAX_BATCH = 16
+
+
+@dataclass
+class ProfileConfig:
+    """Arguments of `run_profile` (the flags of `flashrl profile`)."""
+
+    model: str
+    """Hugging Face checkpoint directory (bf16/fp32 safetensors)."""
+    quant: str | Sequence[str] = "int8"
+    """Schemes to profile, comma-separated (bf16 is always the reference)."""
+    prompts: str | None = None
+    """Calibration prompts: .txt (one per line) or .jsonl (strings or {"prompt": ...}); default:
+    the built-in set (seeded random token ids for a model without a tokenizer)."""
+    kv_cache_dtype: str = "bf16"
+    """Also quantize the KV cache (fp8) and report its share of the mismatch."""
+    threshold: float = DEFAULT_THRESHOLD
+    """Relative output error above which a layer is kept in bf16."""
+    max_prompt_tokens: int = 128
+    """Prompts are cut to this many tokens."""
+    max_new_tokens: int = 64
+    """Sampled response length."""
+    device: str | None = None
+    """cpu, cuda or cuda:N (default: cuda when available)."""
+    dtype: str = "bf16"
+    """Activation dtype: bf16, fp16 or fp32."""
+    lm_head_fp32: bool = False
+    """Profile with the LM head and logits in fp32."""
+    seed: int = 0
+    temperature: float = 1.0
+    """Sampling temperature of the calibration responses."""
+
+    def schemes(self) -> list[str]:
+        text = self.quant if isinstance(self.quant, str) else ",".join(self.quant)
+        names = [s.name for s in parse_scheme_list(text)]
+        if "bf16" in names:
+            quantized = ", ".join(s for s in SCHEMES if s != "bf16")
+            raise ConfigError(f"--quant {text!r}: bf16 is the reference every scheme is compared "
+                              f"with; list quantized schemes only ({quantized})")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"--quant {text!r} names a scheme twice")
+        return names
+
+    def check(self) -> None:
+        """ConfigError (InputError for a bad prompts file) before any model is loaded."""
+        self.schemes()
+        threshold = self.threshold
+        if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold > 0):
+            raise ConfigError(f"--threshold {threshold!r} is invalid; allowed: a positive number "
+                              f"(relative output error, default {DEFAULT_THRESHOLD})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is invalid; "
+                              f"allowed: {', '.join(KV_CACHE_DTYPES)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r} is invalid; allowed: {', '.join(DTYPES)}")
+        for name in ("max_prompt_tokens", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if not self.temperature > 0:
+            raise ConfigError(f"temperature={self.temperature} must be > 0 (responses are sampled)")
+        if self.prompts is not None:
+            read_prompts_file(self.prompts)  # a bad file fails before any model is loaded
+
+
+@dataclass
+class ProfileResult:
+    """The profile of one model (`run_profile`); `to_dict` is the JSON document, field by field
+    in docs/profile.md. Nested values are that document's JSON objects."""
+
+    schema_version: int
+    flashrl_version: str
+    created: str
+    model: dict[str, Any]
+    device: str
+    device_name: str
+    dtype: str
+    settings: dict[str, Any]
+    calibration: dict[str, Any]
+    layers: list[dict[str, Any]]
+    baseline: dict[str, Any]
+    schemes: dict[str, Any]
+    kv_cache: dict[str, Any] | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document (non-finite numbers as None: strict JSON)."""
+        return strict_json(dataclasses.asdict(self))
+
+
+# ------------------------------------------------------------------------------------------------
+# engines and calibration data
+# ------------------------------------------------------------------------------------------------
+
+
+def kv_cache_dtype_supported() -> bool:
+    """Whether this build's `Engine` takes ``kv_cache_dtype`` (the fp8 KV cache)."""
+    return ("kv_cache_dtype" in inspect.signature(Engine).parameters
+            and hasattr(Engine, "kv_cache_mismatch"))
+
+
+def make_engine(cfg: ProfileConfig, quant: str, skip: Sequence[str], max_len: int,
+                kv_cache_dtype: str = "bf16") -> Engine:
+    config = RolloutConfig(quant=quant, skip=tuple(skip), lm_head_fp32=cfg.lm_head_fp32,
+                           kv_cache_dtype=kv_cache_dtype)
+    return Engine(cfg.model, quant=config, dtype=cfg.dtype, device=cfg.device, max_batch=MAX_BATCH,
+                  max_len=max_len, seed=cfg.seed, progress=False)
+
+
+def _free() -> None:
+    """Release the memory of engines the caller dropped."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------
+# the profile
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Calibration:
+    """What every end-to-end measurement of one profile shares."""
+
+    cfg: ProfileConfig
+    reference: Engine
+    prompts: list[list[int]]
+    params: SamplingParams
+    rollouts: list[Rollout]
+    max_len: int
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        return [r.prompt_ids + r.response_ids for r in self.rollouts]
+
+    def mismatch(self, engine: Engine) -> dict[str, Any]:
+        """`engine` against the bf16 reference: exact, sampled and (fp8 cache) kv_cache."""
+        t = self.cfg.temperature
+        exact = distribution_mismatch(self.reference, engine, self.sequences, t)
+        sampled = engine.generate(self.prompts, self.params)
+        out = {"exact": exact, "sampled": sampled_mismatch(self.reference, sampled, t),
+               "kv_cache": None}
+        if self.cfg.kv_cache_dtype != "bf16":
+            kept = [r for r in self.rollouts if r.response_ids]
+            out["kv_cache"] = engine.kv_cache_mismatch(
+                [r.prompt_ids for r in kept], [r.response_ids for r in kept], temperature=t)
+        return out
+
+
+def _scheme_entry(cal: _Calibration, scheme: str, layers: list[dict[str, Any]],
+                  bf16_bytes: int) -> dict[str, Any]:
+    """``schemes.<scheme>`` of the document: errors, the skip recommendation, the mismatch before
+    and after skipping, memory."""
+    cfg, kv = cal.cfg, cal.cfg.kv_cache_dtype
+    logger.info("profile: %s end to end", scheme)
+    errors = [entry["errors"][scheme]["output_error"] for entry in layers]
+    flagged = recommend_skip(layers, scheme, cfg.threshold)
+    recommended = [name for f in flagged for name in f["names"]]
+    skip = list(DEFAULT_SKIP) + recommended
+    engine = make_engine(cfg, scheme, DEFAULT_SKIP, cal.max_len, kv)
+    memory = {"weight_bytes_bf16": bf16_bytes, "weight_bytes": engine.weight_nbytes(),
+              "weight_bytes_after_skip": None}
+    entry: dict[str, Any] = {
+        "output_error_median": float(torch.tensor(errors).median()),
+        "output_error_max": max(errors), "flagged": flagged, "recommended_skip": recommended,
+        "skip": skip, "mismatch": cal.mismatch(engine), "mismatch_after_skip": None,
+        "memory": memory,
+    }
+    engine = None
+    _free()
+    if recommended:
+        engine = make_engine(cfg, scheme, skip, cal.max_len, kv)
+        entry["mismatch_after_skip"] = cal.mismatch(engine)
+        memory["weight_bytes_after_skip"] = engine.weight_nbytes()
+        engine = None
+        _free()
+    else:
+        memory["weight_bytes_after_skip"] = memory["weight_bytes"]
+    memory["ratio"] = memory["weight_bytes"] / bf16_bytes
+    memory["ratio_after_skip"] = memory["weight_bytes_after_skip"] / bf16_bytes
+    return entry
+
+
+def _kv_cache_entry(cal: _Calibration) -> dict[str, Any]:
+    """``kv_cache`` of the document: bf16 weights with the quantized KV cache."""
+    kv = cal.cfg.kv_cache_dtype
+    engine = make_engine(cal.cfg, "bf16", DEFAULT_SKIP, cal.max_len, kv)
+    kv_only = cal.mismatch(engine)
+    del kv_only["exact"]  # bf16 weights: the no-cache forward is the reference itself
+    entry = {"dtype": kv, "kv_scale": engine.config.kv_scale,
+             "bytes_per_token_bf16": cal.reference.kv_bytes_per_token(),
+             "bytes_per_token": engine.kv_bytes_per_token(), "kv_only": kv_only}
+    engine = None
+    _free()
+    return entry
+
+
+def _calibrate(cfg: ProfileConfig,
+               model_config: ModelConfig) -> tuple[_Calibration, dict[str, Any]]:
+    """The bf16 reference engine, the calibration prompts and its responses to them."""
+    # Prompt and response budgets within the model's context.
+    max_new = min(cfg.max_new_tokens, max(1, model_config.max_position_embeddings // 2))
+    max_prompt = min(cfg.max_prompt_tokens, model_config.max_position_embeddings - max_new)
+    reference = make_engine(cfg, "bf16", DEFAULT_SKIP, max_prompt + max_new)
+    for scheme in cfg.schemes():
+        reason = scheme_unsupported_reason(scheme, reference.device)
+        if reason:
+            raise UnsupportedError(f"--quant {scheme}: cannot run on {reference.device}: {reason}")
+    prompts, calibration = calibration_prompts(reference, max_prompt, cfg.prompts, cfg.seed,
+                                               cfg.model)
+    params = SamplingParams(temperature=cfg.temperature, max_tokens=max_new, seed=cfg.seed)
+    logger.info("profile: sampling %d bf16 responses", len(prompts))
+    cal = _Calibration(cfg, reference, prompts, params, reference.generate(prompts, params),
+                       max_prompt + max_new)
+    sequences = cal.sequences
+    calibration.update(num_sequences=len(sequences), prompt_tokens=sum(len(p) for p in prompts),
+                       response_tokens=sum(len(r.response_ids) for r in cal.rollouts),
+                       positions=sum(len(s) for s in sequences))
+    return cal, calibration
+
+
+def run_profile(cfg: ProfileConfig) -> ProfileResult:
+    """Profile `cfg.model` for every scheme of `cfg.quant` (steps in the module doc)."""
+    cfg.check()
+    schemes = cfg.schemes()
+    model_config = ModelConfig.from_model_dir(cfg.model)  # clear errors for a bad directory
+    if cfg.kv_cache_dtype != "bf16" and not kv_cache_dtype_supported():
+        raise UnsupportedError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: the fp8 KV cache is not "
+                               f"available in this build of flashrl (Engine has no kv_cache_dtype "
+                               f"argument or no kv_cache_mismatch); profile without it")
+    cal, calibration = _calibrate(cfg, model_config)
+    logger.info("profile: per-layer errors over %d tokens", calibration["positions"])
+    layers = layer_errors(cal.reference, cal.sequences, schemes)
+    bf16_bytes = cal.reference.weight_nbytes()
+    device = cal.reference.device
+    c = model_config
+    result = ProfileResult(
+        schema_version=SCHEMA_VERSION, flashrl_version=flashrl.__version__,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        model={"path": str(Path(cfg.model).resolve()), "family": c.family,
+               "num_layers": c.num_layers, "hidden_size": c.hidden_size,
+               "vocab_size": c.vocab_size, "tie_word_embeddings": c.tie_word_embeddings},
+        device=str(device), device_name=device_name(device), dtype=cfg.dtype,
+        settings={"schemes": schemes, "threshold": float(cfg.threshold),
+                  "kv_cache_dtype": cfg.kv_cache_dtype, "lm_head_fp32": cfg.lm_head_fp32,
+                  "seed": cfg.seed, "max_prompt_tokens": cal.max_len - cal.params.max_tokens,
+                  "max_new_tokens": cal.params.max_tokens, "temperature": cfg.temperature},
+        calibration=calibration, layers=layers,
+        baseline={"sampled": sampled_mismatch(cal.reference, cal.rollouts, cfg.temperature)},
+        schemes={}, kv_cache=None)
+    for scheme in schemes:
+        result.schemes[scheme] = _scheme_entry(cal, scheme, layers, bf16_bytes)
+    if cfg.kv_cache_dtype != "bf16":
+        result.kv_cache = _kv_cache_entry(cal)
+    return result
+
+
+def write_profile(result: ProfileResult, path: str | Path) -> Path:
+    """Write the JSON document (strict JSON, atomically)."""
+    return atomic_write_text(path, json.dumps(result.to_dict(), indent=2, allow_nan=False) + "\n")
