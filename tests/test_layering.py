@@ -40,8 +40,9 @@ ALLOWED_FOR_NOW: set[tuple[str, str]] = {
     # The README's `flashrl.correction.ppo_clip_loss` re-exports the loss that moved to rl (item 4):
     ("flashrl.correction", "flashrl.rl.loss"),
 }
-"""Known violations outside the core/model/engine split, being fixed by the other parts of
-issue 16; the lead empties this set when they land."""
+"""Known exceptions. The one left is intended: the README's public API keeps
+`flashrl.correction.ppo_clip_loss`, a re-export of the loss that lives in `rl.loss` (issue 16 item 4);
+`test_allowed_violations_still_exist` makes sure no stale entry stays here."""
 
 
 def module_name(path: Path) -> str:
