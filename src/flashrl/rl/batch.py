@@ -31,17 +31,20 @@ class Batch:
         return Batch(*(getattr(self, f)[rows] for f in self.__dataclass_fields__))
 
     @classmethod
-    def build(cls, rollouts: list[Rollout], advantages: torch.Tensor, device: torch.device) -> Batch:
+    def build(cls, rollouts: list[Rollout], advantages: torch.Tensor,
+              device: torch.device) -> Batch:
         """Right-pad the rollouts' sequences and responses (`flashrl.model.batch.pad_right`)."""
         sequences = pad_right([r.prompt_ids + r.response_ids for r in rollouts])
         responses = pad_right([r.response_ids for r in rollouts] + [[0]])  # at least one column
         response_ids, mask = responses.ids[:-1], responses.valid[:-1]
         mask[:, 0] &= responses.lengths[:-1] > 0
         logprobs = torch.zeros(mask.shape, dtype=torch.float32)
-        logprobs[mask] = torch.tensor([lp for r in rollouts for lp in r.logprobs], dtype=torch.float32)
+        logprobs[mask] = torch.tensor([lp for r in rollouts for lp in r.logprobs],
+                                      dtype=torch.float32)
         prompt_lens = torch.tensor([len(r.prompt_ids) for r in rollouts])
-        return cls(sequences.ids.to(device), sequences.valid.long().to(device), prompt_lens.to(device),
-                   response_ids.to(device), mask.to(device), logprobs.to(device), advantages.to(device))
+        return cls(sequences.ids.to(device), sequences.valid.long().to(device),
+                   prompt_lens.to(device), response_ids.to(device), mask.to(device),
+                   logprobs.to(device), advantages.to(device))
 
 
 def response_logprobs(model: torch.nn.Module, batch: Batch, params: SamplingParams,

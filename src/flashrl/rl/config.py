@@ -170,7 +170,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise a ConfigError naming the first invalid field (dotted) and what is allowed."""
         d, a, r = self.data, self.algo, self.run
-        choices = {"run.backend": (r.backend, BACKENDS), "algo.advantage": (a.advantage, ADVANTAGES),
+        choices = {"run.backend": (r.backend, BACKENDS),
+                   "algo.advantage": (a.advantage, ADVANTAGES),
                    "data.reward": (d.reward, tuple(REWARDS)),
                    "algo.loss_aggregation": (a.loss_aggregation, AGGREGATIONS),
                    "run.trainer_dtype": (r.trainer_dtype, TRAINER_DTYPES),
@@ -323,5 +324,6 @@ def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
             overrides["correction.weight"] = "none"
         out.append((key, overrides))
     if not out:
-        raise ConfigError(f"run.compare={spec!r} needs at least one scheme, e.g. bf16,int8,int8-notis")
+        raise ConfigError(f"run.compare={spec!r} needs at least one scheme, e.g. "
+                          f"bf16,int8,int8-notis")
     return out

@@ -41,7 +41,8 @@ LEGACY_NAMES: dict[str, str] = {
     "tis_cap": "correction.cap",
     "correction_band": "correction.band",
     **{name: f"correction.{name}" for name in _GROUP_FIELDS["rejection"]},
-    **{name: f"{group}.{name}" for group in ("data", "algo", "run") for name in _GROUP_FIELDS[group]},
+    **{name: f"{group}.{name}" for group in ("data", "algo", "run")
+       for name in _GROUP_FIELDS[group]},
 }
 """Old flat name -> new dotted name (``model`` kept its name)."""
 TIS_CAP = "correction.tis_cap"
@@ -51,7 +52,8 @@ TIS_CAP = "correction.tis_cap"
 def is_legacy(key: Any, value: Any) -> bool:
     """Whether `key: value` uses an old flat name. ``data`` and ``correction`` are old names when
     their value is not a mapping (a file path, a weight name) and group names when it is."""
-    return key in LEGACY_NAMES and not (key in ("data", "correction") and isinstance(value, Mapping))
+    group = key in ("data", "correction") and isinstance(value, Mapping)
+    return key in LEGACY_NAMES and not group
 
 
 def rename(key: str, source: str, warn: bool = True) -> str:

@@ -99,11 +99,13 @@ def coerce(name: str, hint: Any, value: Any, source: str | None = None) -> Any:
     prefix = f"{source}: " if source else ""
     options = kinds(hint)
     optional = is_optional(hint)
-    if value is None or (optional and isinstance(value, str) and value.strip().lower() in NONE_WORDS):
+    none_word = isinstance(value, str) and value.strip().lower() in NONE_WORDS
+    if value is None or (optional and none_word):
         if not optional:
-            raise ConfigError(f"{prefix}{name} cannot be empty; expected {_KINDS[_base(options[0])][1]}")
+            expected = _KINDS[_base(options[0])][1]
+            raise ConfigError(f"{prefix}{name} cannot be empty; expected {expected}")
         return None
-    if len(options) > 1:  # a union such as `str | float`: a value of one of the types passes through
+    if len(options) > 1:  # a union such as `str | float`: a value of one of them passes through
         for kind in options:
             if isinstance(value, _base(kind)) and not isinstance(value, bool):
                 return value

@@ -113,11 +113,12 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def add_setup(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("setup", help="write a rollout config (flashrl.yaml) from a profile",
-                       description="Turn a `flashrl profile` JSON into a rollout config: scheme, "
-                                   "skip list, KV-cache dtype and scale mode, lm_head_fp32, logprob "
-                                   "mode. Use it with FLASHRL_CONFIG=flashrl.yaml, "
-                                   "Engine(model, quant='flashrl.yaml'), `flashrl generate --quant "
-                                   "flashrl.yaml` or --rollout.file in `flashrl train`.")
+                       description="Turn a `flashrl profile` JSON into a rollout config: "
+                                   "scheme, skip list, KV-cache dtype and scale mode, "
+                                   "lm_head_fp32, logprob mode. Use it with "
+                                   "FLASHRL_CONFIG=flashrl.yaml, Engine(model, "
+                                   "quant='flashrl.yaml'), `flashrl generate --quant flashrl.yaml` "
+                                   "or --rollout.file in `flashrl train`.")
     add_fields(p, setup_tool.SetupConfig)
     p.set_defaults(run=run_setup, inputs=("profile",))
 
@@ -142,11 +143,11 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify",
                        help="deterministic self-test of the install on this device (PASS/FAIL)",
                        description="Check this install on this device with tiny built-in "
-                                   "models: GEMM kernels vs references, reload exactness (update vs "
-                                   "fresh load), logprob exactness vs float64 recomputation, "
+                                   "models: GEMM kernels vs references, reload exactness (update "
+                                   "vs fresh load), logprob exactness vs float64 recomputation, "
                                    "KV-cache path vs full forward, and the vLLM backend if "
-                                   "installed. Exits 1 if any check fails; SKIP rows (e.g. a scheme "
-                                   "this GPU cannot run) do not.")
+                                   "installed. Exits 1 if any check fails; SKIP rows (e.g. a "
+                                   "scheme this GPU cannot run) do not.")
     schemes = f"comma-separated schemes to check (default: all: {', '.join(SCHEMES)})"
     add_fields(p, verify_tool.VerifyConfig, help={"quant": schemes})
     p.set_defaults(run=run_verify)

@@ -40,7 +40,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="sample responses with a quantized rollout engine",
                        description="Sample responses with the built-in engine; prints text and, "
                                    "with --logprobs, the processed logprob of every sampled token.")
-    quant = f"weight scheme: {', '.join(SCHEMES)} or a flashrl.yaml (default: FLASHRL_CONFIG or bf16)"
+    quant = (f"weight scheme: {', '.join(SCHEMES)} or a flashrl.yaml (default: FLASHRL_CONFIG or "
+             f"bf16)")
     add_fields(p, GenerateFlags, help={"quant": quant})
     add_fields(p, SamplingParams, only=GENERATE_SAMPLING, defaults=GENERATE_DEFAULTS,
                help={"n": "samples per prompt"})

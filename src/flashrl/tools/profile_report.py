@@ -62,8 +62,8 @@ def _mismatch_table(doc: dict[str, Any]) -> list[str]:
     schemes, kv = doc["settings"]["schemes"], doc.get("kv_cache")
     first = next(iter(doc["schemes"].values()), None)
     bf16_bytes = first["memory"]["weight_bytes_bf16"] if first else None
-    rows = [_mismatch_row("bf16 (floor: cached vs no-cache)", {"sampled": doc["baseline"]["sampled"]},
-                          bf16_bytes)]
+    floor = {"sampled": doc["baseline"]["sampled"]}
+    rows = [_mismatch_row("bf16 (floor: cached vs no-cache)", floor, bf16_bytes)]
     for s in schemes:
         entry = doc["schemes"][s]
         rows.append(_mismatch_row(s, entry["mismatch"], entry["memory"]["weight_bytes"]))

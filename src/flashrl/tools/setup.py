@@ -109,10 +109,10 @@ def build_setup(profile: dict[str, Any], quant: str | None = None, threshold: fl
         flagged = recommend_skip(profile["layers"], quant, threshold)
         skip = list(DEFAULT_SKIP) + [n for f in flagged for n in f["names"]]
     try:
+        settings = profile["settings"]
         config = RolloutConfig(quant=quant, skip=tuple(skip),
-                               kv_cache_dtype=profile["settings"]["kv_cache_dtype"],
-                               kv_scale="calibrated", lm_head_fp32=profile["settings"]["lm_head_fp32"],
-                               logprobs_mode="processed")
+                               kv_cache_dtype=settings["kv_cache_dtype"], kv_scale="calibrated",
+                               lm_head_fp32=settings["lm_head_fp32"], logprobs_mode="processed")
     except ConfigError as err:
         raise InputError(f"{source}: schemes.{quant}: {err}") from None
     return config, _header(profile, quant, skip, threshold, source)

@@ -20,10 +20,10 @@ from flashrl.tools.checks import check_device
 logger = logging.getLogger("flashrl")
 
 
-
 def add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", allow_abbrev=False,
-                       help="GRPO/DAPO training with quantized rollouts (default: tiny task on CPU)",
+                       help="GRPO/DAPO training with quantized rollouts (default: tiny task on "
+                            "CPU)",
                        description="RL training: rollouts with a quantized engine, per-step weight "
                                    "sync and rollout correction. With no arguments, trains the "
                                    "built-in tiny model on CPU.",

@@ -80,7 +80,8 @@ def scheme_unsupported_reason(scheme: str | QuantScheme, device: torch.device | 
         return (f"fp8 GEMMs (torch._scaled_mm) need compute capability 8.9+ (Ada/Hopper); this "
                 f"GPU is {major}.{minor}")
     if s.code_dtype == torch.int8 and (major, minor) < (8, 0):
-        return f"int8 GEMMs (torch._int_mm) need compute capability 8.0+; this GPU is {major}.{minor}"
+        return (f"int8 GEMMs (torch._int_mm) need compute capability 8.0+; this GPU is "
+                f"{major}.{minor}")
     return None
 
 
