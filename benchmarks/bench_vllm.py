@@ -37,7 +37,6 @@ is set; ``--threads N`` sets ``OMP_NUM_THREADS`` (before torch is imported) and 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -53,7 +52,6 @@ SYNC_PATHS = ("trl", "verl", "weight_sync", "reload")
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768)
 """Qwen2.5-0.5B's dimensions (qwen2 family: q/k/v bias, tied embeddings, head_dim 896/14 = 64)."""
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def parse_list(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -86,48 +84,6 @@ def build_checkpoint(path: Path, layers: int) -> Path:
     save_tiny_vllm_model(tmp, family="qwen2", seed=0, dtype=torch.bfloat16, **dims)
     os.replace(tmp, path)
     return path
-
-
-def save_compressed_tensors_int8(src: Path, dst: Path) -> Path:
-    """A compressed-tensors W8A8 int8 checkpoint (per-channel weights, dynamic per-token activations)
-    whose codes and scales are flashrl's quantization of `src`'s linear weights (as in
-    tests/test_vllm_kernels.py): vLLM's own pre-quantized int8 path on the same numbers."""
-    from safetensors.torch import load_file, save_file
-
-    from flashrl.quant.linear import QuantLinear
-
-    if (dst / "model.safetensors").exists():
-        return dst
-    tmp = Path(tempfile.mkdtemp(prefix=".w8a8-", dir=dst.parent))
-    shutil.rmtree(tmp)
-    shutil.copytree(src, tmp)
-    tensors = load_file(str(tmp / "model.safetensors"))
-    out = {}
-    for name, tensor in tensors.items():
-        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
-            layer = QuantLinear(tensor.shape[1], tensor.shape[0], "int8", dtype=tensor.dtype)
-            layer.requantize_(tensor)
-            out[name] = layer.weight.clone()
-            out[name.removesuffix("weight") + "weight_scale"] = layer.weight_scale.clone()
-        else:
-            out[name] = tensor
-    del tensors
-    save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((tmp / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors",
-        "format": "int-quantized",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
-                                  "dynamic": True},
-        }},
-        "ignore": ["lm_head"],
-    }
-    (tmp / "config.json").write_text(json.dumps(config))
-    os.replace(tmp, dst)  # the checkpoint appears complete or not at all
-    return dst
 
 
 # ------------------------------------------------------------------------------------------------
@@ -411,6 +367,8 @@ def main() -> None:
         model_dir = build_checkpoint(root / f"qwen2.5-0.5b-random-l{args.layers}", args.layers)
         w8a8_dir = None
         if "w8a8_int8" in args.rows:
+            from flashrl.vllm_backend.testing import save_compressed_tensors_int8
+
             w8a8_dir = save_compressed_tensors_int8(model_dir, root / f"w8a8-int8-l{args.layers}")
         names = list(dict.fromkeys(args.rows + (["flashrl_int8"] if args.sync_paths else [])))
         engines = {name: make_engine(name, model_dir, w8a8_dir, args) for name in names}

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import logging
 
 import pytest
@@ -27,11 +26,10 @@ from flashrl.quant.linear import QuantLinear  # noqa: E402
 from flashrl.vllm_backend import engine_kwargs  # noqa: E402
 from flashrl.vllm_backend import kernels  # noqa: E402
 from flashrl.vllm_backend.kernels import kernel_name  # noqa: E402
-from flashrl.vllm_backend.testing import save_tiny_vllm_model  # noqa: E402
+from flashrl.vllm_backend.testing import save_compressed_tensors_int8, save_tiny_vllm_model  # noqa: E402
 
 LLM_ARGS = dict(dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0, max_num_seqs=8)
 PROMPTS = ["Hello world", "The quick brown fox", "1+1="]
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @pytest.fixture(scope="module")
@@ -58,40 +56,6 @@ def outputs(llm):
             for c in out.outputs:
                 results.append((list(c.token_ids), [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]))
     return results
-
-
-def save_compressed_tensors_int8(src, dst) -> None:
-    """A compressed-tensors W8A8 int8 checkpoint (per-channel weights, dynamic per-token activations)
-    whose codes and scales are flashrl's quantization of `src`'s linear weights."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    tensors = load_file(str(dst / "model.safetensors"))
-    out = {}
-    for name, tensor in tensors.items():
-        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
-            layer = QuantLinear(tensor.shape[1], tensor.shape[0], "int8", dtype=tensor.dtype)
-            layer.requantize_(tensor)
-            out[name] = layer.weight.clone()
-            out[name.removesuffix("weight") + "weight_scale"] = layer.weight_scale.clone()
-        else:
-            out[name] = tensor
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors",
-        "format": "int-quantized",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
-                                  "dynamic": True},
-        }},
-        "ignore": ["lm_head"],
-    }
-    (dst / "config.json").write_text(json.dumps(config))
 
 
 def test_int8_runs_vllms_kernel_and_equals_a_prequantized_checkpoint(base, tmp_path, caplog, monkeypatch):

@@ -9,6 +9,10 @@ pad/bos/eos ids), then the 95 printable ASCII characters one token each, then fi
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +76,52 @@ def save_perturbed_copy(src: str | Path, dst: str | Path, scale: float = 0.05, s
     model.save_pretrained(dst)
     transformers.AutoTokenizer.from_pretrained(src).save_pretrained(dst)
     return Path(dst)
+
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Checkpoint names of the linear layers flashrl quantizes (dense decoder families)."""
+
+
+def save_compressed_tensors_int8(src: str | Path, dst: str | Path) -> Path:
+    """A compressed-tensors W8A8 int8 checkpoint (per-channel weights, dynamic per-token activations)
+    whose codes and scales are flashrl's quantization of `src`'s linear weights: vLLM's own
+    pre-quantized int8 path on flashrl's numbers (tests/test_vllm_kernels.py, benchmarks/bench_vllm.py).
+    Written to a temp directory and renamed, so it appears complete or not at all; an existing
+    complete `dst` is reused."""
+    from safetensors.torch import load_file, save_file
+
+    from flashrl.quant.linear import QuantLinear
+
+    src, dst = Path(src), Path(dst)
+    if (dst / "model.safetensors").exists():
+        return dst
+    tmp = Path(tempfile.mkdtemp(prefix=".w8a8-", dir=dst.parent))
+    shutil.rmtree(tmp)
+    shutil.copytree(src, tmp)
+    tensors = load_file(str(tmp / "model.safetensors"))
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+            layer = QuantLinear(tensor.shape[1], tensor.shape[0], "int8", dtype=tensor.dtype)
+            layer.requantize_(tensor)
+            out[name] = layer.weight.clone()
+            out[name.removesuffix("weight") + "weight_scale"] = layer.weight_scale.clone()
+        else:
+            out[name] = tensor
+    del tensors
+    save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                  "dynamic": True},
+        }},
+        "ignore": ["lm_head"],
+    }
+    (tmp / "config.json").write_text(json.dumps(config))
+    os.replace(tmp, dst)  # the checkpoint appears complete or not at all
+    return dst
