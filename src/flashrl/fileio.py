@@ -33,7 +33,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
@@ -42,8 +42,9 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename durable; a no-op where directories cannot be opened (Windows)."""
+def fsync_dir(directory: Path) -> None:
+    """Make renames and new entries in `directory` durable (a no-op where directories cannot be
+    opened, e.g. on Windows)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:

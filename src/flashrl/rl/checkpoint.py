@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from flashrl.errors import CheckpointError, ConfigError
-from flashrl.fileio import atomic_write_text
+from flashrl.fileio import atomic_write_text, fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +44,6 @@ _PARTIAL = re.compile(r"\.checkpoint-(\d+)\.(tmp|old)")
 
 
 # ------------------------------------------------------------------ durable writes
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make renames and new entries in `directory` durable (a no-op where directories cannot be
-    opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(directory: Path) -> None:

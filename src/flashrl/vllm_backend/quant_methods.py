@@ -177,8 +177,12 @@ class FlashRLLinearMethod(LinearMethodBase):
             bias.flashrl_loader = True
         self._bind_kernel(layer)
         setattr(layer, _PROCESSED_FLAG, True)
-        if weight.is_cuda:
-            torch.cuda.synchronize(weight.device)
+        self._record_quantization(weight.device, start)
+
+    def _record_quantization(self, device: torch.device, start: float) -> None:
+        """Count one layer quantization that began at `start` (per-sync stats and the log line)."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         _requant_stats["requant_s"] += seconds
         _requant_stats["layers_requantized"] += 1
@@ -234,12 +238,7 @@ class FlashRLLinearMethod(LinearMethodBase):
         start = time.perf_counter()
         view.requantize_(weight)
         kernels.refresh_kernel(getattr(layer, "flashrl_kernel_id", -1), layer)
-        if weight.is_cuda:
-            torch.cuda.synchronize(weight.device)
-        seconds = time.perf_counter() - start
-        _requant_stats["requant_s"] += seconds
-        _requant_stats["layers_requantized"] += 1
-        direct_load.note_quantized(self.scheme.name, seconds)
+        self._record_quantization(layer.weight.device, start)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         scale = getattr(layer, "row_scale", None)
