@@ -15,7 +15,9 @@ from flashrl.utils import device_name, format_table, synchronize
 __all__ = ["device_name", "format_table", "time_fn", "write_json"]
 
 
-def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 2, repeat: int = 5) -> float:
+def time_fn(
+    fn: Callable[[], object], device: torch.device, warmup: int = 2, repeat: int = 5
+) -> float:
     """Median wall time of `fn` in seconds, after `warmup` calls."""
     for _ in range(warmup):
         fn()

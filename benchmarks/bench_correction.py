@@ -49,7 +49,9 @@ CONFIGS: dict[str, CorrectionConfig] = {
 }
 
 
-def make_inputs(batch: int, tokens: int, sigma: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_inputs(
+    batch: int, tokens: int, sigma: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, tokens + 1, (batch, 1), generator=gen)
     mask = torch.arange(tokens) < lengths
@@ -59,12 +61,20 @@ def make_inputs(batch: int, tokens: int, sigma: float, seed: int) -> tuple[torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=512, help="sequences per batch")
     parser.add_argument("--tokens", type=int, default=8192, help="padded response length")
-    parser.add_argument("--sigma", type=float, default=0.2, help="std of trainer - rollout logprob noise")
-    parser.add_argument("--repeat", type=int, default=5, help="timed calls per row (after 2 warm-up calls)")
-    parser.add_argument("--threads", default=str(torch.get_num_threads()), help="comma-separated thread counts")
+    parser.add_argument(
+        "--sigma", type=float, default=0.2, help="std of trainer - rollout logprob noise"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=5, help="timed calls per row (after 2 warm-up calls)"
+    )
+    parser.add_argument(
+        "--threads", default=str(torch.get_num_threads()), help="comma-separated thread counts"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/correction.json")
     args = parser.parse_args(argv)
@@ -102,14 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for name, cfg in CONFIGS.items():
-            record(f"compute_correction: {name}", lambda cfg=cfg: compute_correction(train, roll, mask, cfg))
+            record(
+                f"compute_correction: {name}",
+                lambda cfg=cfg: compute_correction(train, roll, mask, cfg),
+            )
         record("mismatch_metrics only", lambda: mismatch_metrics(train, roll, mask))
         record("ppo_clip_loss forward + backward", loss_fwd_bwd)
 
     load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     print(f"\n{args.batch} x {args.tokens} = {positions:,} positions, {int(mask.sum()):,} valid tokens, "
           f"kl = {corr.metrics['kl']:.4f}")  # fmt: skip
-    print(f"{device}, torch {torch.__version__}, 1-min load average before/after {load[0]}/{load[1]}")
+    print(
+        f"{device}, torch {torch.__version__}, 1-min load average before/after {load[0]}/{load[1]}"
+    )
     print("wall_ms: median wall time per call; cpu_ms: process CPU time per call, all threads\n")
     print(format_table(rows, ["what", "threads", "wall_ms", "cpu_ms", "Mpos_per_s"]))
     command = (

@@ -30,20 +30,33 @@ def parse_paths(text: str) -> list[str]:
     paths = [p.strip().lower() for p in text.split(",") if p.strip()]
     bad = [p for p in paths if p not in PATHS]
     if bad or not paths:
-        raise SystemExit(f"--kernels {text!r}: allowed values are {', '.join(PATHS)} (comma-separated)")
+        raise SystemExit(
+            f"--kernels {text!r}: allowed values are {', '.join(PATHS)} (comma-separated)"
+        )
     return paths
 
 
 def codes_and_scales(layer: QuantLinear) -> list[torch.Tensor]:
-    return [b.view(torch.uint8) if b.element_size() == 1 else b for b in (layer.weight, layer.weight_scale)]
+    return [
+        b.view(torch.uint8) if b.element_size() == 1 else b
+        for b in (layer.weight, layer.weight_scale)
+    ]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shapes", default="4096x4096,4096x14336", help="comma-separated NxK weight shapes")
+    parser.add_argument(
+        "--shapes", default="4096x4096,4096x14336", help="comma-separated NxK weight shapes"
+    )
     parser.add_argument("--quant", default="int8,fp8,fp8_channel,fp8_block")
-    parser.add_argument("--kernels", default="triton,torch", help="kernel paths to time: triton, torch (CUDA only for triton)")
+    parser.add_argument(
+        "--kernels",
+        default="triton,torch",
+        help="kernel paths to time: triton, torch (CUDA only for triton)",
+    )
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     parser.add_argument("--out", default="benchmarks/results/requant.json")
@@ -55,7 +68,9 @@ def main() -> None:
     skipped = {}
     for path in paths:
         if path == "triton" and device.type != "cuda":
-            skipped[path] = "not timed on CPU (the Triton interpreter is a test tool, not a performance path)"
+            skipped[path] = (
+                "not timed on CPU (the Triton interpreter is a test tool, not a performance path)"
+            )
         elif path == "triton" and not kernels.triton_available():
             skipped[path] = "triton is not installed"
     timed = [p for p in paths if p not in skipped]
@@ -64,7 +79,7 @@ def main() -> None:
         n, k = (int(v) for v in shape.lower().split("x"))
         weight = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
         copy_dst = torch.empty_like(weight)
-        copy_s = time_fn(lambda: copy_dst.copy_(weight), device, repeat=args.repeat)
+        copy_s = time_fn(lambda d=copy_dst, w=weight: d.copy_(w), device, repeat=args.repeat)
         copy_gbs = 2 * weight.numel() * 2 / copy_s / 1e9
         for scheme in parse_scheme_list(args.quant):
             row = dict(shape=f"{n}x{k}", scheme=scheme.name, copy_GBps=copy_gbs)
@@ -72,10 +87,18 @@ def main() -> None:
             for path in timed:
                 with kernels.mode_scope(path):
                     layer = QuantLinear(k, n, scheme, dtype=torch.bfloat16, device=device)
-                    seconds = time_fn(lambda: layer.requantize_(weight), device, repeat=args.repeat)
+                    seconds = time_fn(
+                        lambda q=layer, w=weight: q.requantize_(w), device, repeat=args.repeat
+                    )
                 results[path] = codes_and_scales(layer)
                 gbs = (weight.numel() * 2 + layer.nbytes()) / seconds / 1e9
-                row.update({f"{path}_ms": seconds * 1e3, f"{path}_GBps": gbs, f"{path}_vs_copy": copy_gbs / gbs})
+                row.update(
+                    {
+                        f"{path}_ms": seconds * 1e3,
+                        f"{path}_GBps": gbs,
+                        f"{path}_vs_copy": copy_gbs / gbs,
+                    }
+                )
             if len(results) == 2:
                 row["same_bits"] = all(torch.equal(a, b) for a, b in zip(*results.values()))
             rows.append(row)
@@ -85,11 +108,21 @@ def main() -> None:
     if len(timed) == 2:
         columns.append("same_bits")
     print(format_table(rows, columns))
-    print(f"device: {device_name(device)}; vs_copy = copy bandwidth / requant bandwidth (1.0 is the floor, goal <= 2)")
+    print(
+        f"device: {device_name(device)}; vs_copy = copy bandwidth / requant bandwidth (1.0 is the floor, goal <= 2)"
+    )
     for path, why in skipped.items():
         print(f"{path}: {why}")
-    write_json(args.out, {"device": device_name(device), "torch": torch.__version__, "kernels": timed,
-                          "skipped": skipped, "rows": rows})
+    write_json(
+        args.out,
+        {
+            "device": device_name(device),
+            "torch": torch.__version__,
+            "kernels": timed,
+            "skipped": skipped,
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,15 @@ from typing import Any
 
 ROWS = ("bf16", "flashrl_int8", "w8a8_int8", "flashrl_fp8_channel")
 SYNC_PATHS = ("trl", "verl", "weight_sync", "reload")
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768)
+QWEN25_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+)
 """Qwen2.5-0.5B's dimensions (qwen2 family: q/k/v bias, tied embeddings, head_dim 896/14 = 64)."""
 
 
@@ -60,7 +67,9 @@ def parse_list(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
         return []
     bad = [t for t in items if t not in allowed]
     if bad or not items:
-        raise SystemExit(f"{flag} {text!r}: allowed values are {', '.join(allowed)} (comma-separated) or none")
+        raise SystemExit(
+            f"{flag} {text!r}: allowed values are {', '.join(allowed)} (comma-separated) or none"
+        )
     return items
 
 
@@ -105,8 +114,14 @@ def make_engine(row: str, model_dir: Path, w8a8_dir: Path | None, args: argparse
 
     from flashrl.vllm_backend import engine_kwargs
 
-    common = dict(dtype="bfloat16", enforce_eager=args.eager, max_model_len=args.prompt_len + args.output_len + 16,
-                  max_num_seqs=args.batch, seed=0, kv_cache_memory_bytes=args.kv_mib << 20)
+    common = dict(
+        dtype="bfloat16",
+        enforce_eager=args.eager,
+        max_model_len=args.prompt_len + args.output_len + 16,
+        max_num_seqs=args.batch,
+        seed=0,
+        kv_cache_memory_bytes=args.kv_mib << 20,
+    )
     if row == "bf16":
         kwargs, path = {}, model_dir
     elif row == "w8a8_int8":
@@ -118,7 +133,9 @@ def make_engine(row: str, model_dir: Path, w8a8_dir: Path | None, args: argparse
     return Row(row, llm, time.perf_counter() - start)
 
 
-def run_generate(row: Row, prompts: list[list[int]], args: argparse.Namespace, profile_steps: int = 0) -> dict:
+def run_generate(
+    row: Row, prompts: list[list[int]], args: argparse.Namespace, profile_steps: int = 0
+) -> dict:
     """One generate through the engine's step loop; returns wall and per-step times (and, with
     `profile_steps`, a torch.profiler summary of that many decode steps after two unprofiled ones)."""
     import torch
@@ -146,10 +163,16 @@ def run_generate(row: Row, prompts: list[list[int]], args: argparse.Namespace, p
         cpu_steps.append(time.process_time() - c)
         tokens += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
     wall = time.perf_counter() - start
-    result = {"wall_s": wall, "cpu_s": time.process_time() - start_cpu, "tokens": tokens, "steps": len(steps),
-              "prefill_s": steps[0], "decode_step_ms": statistics.median(steps[1:]) * 1e3,
-              "decode_cpu_ms": statistics.median(cpu_steps[1:]) * 1e3,
-              "load1": os.getloadavg()[0]}
+    result = {
+        "wall_s": wall,
+        "cpu_s": time.process_time() - start_cpu,
+        "tokens": tokens,
+        "steps": len(steps),
+        "prefill_s": steps[0],
+        "decode_step_ms": statistics.median(steps[1:]) * 1e3,
+        "decode_cpu_ms": statistics.median(cpu_steps[1:]) * 1e3,
+        "load1": os.getloadavg()[0],
+    }
     if profile is not None:
         result["profile"] = summarize_profile(profile, profile_steps)
     return result
@@ -159,42 +182,65 @@ def summarize_profile(averages: Any, steps: int, top: int = 10) -> list[dict[str
     """Top ops by self CPU time per decode step (ms and share of the profiled total)."""
     total = sum(e.self_cpu_time_total for e in averages) or 1.0
     ranked = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return [{"op": e.key[:90], "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
-             "share": e.self_cpu_time_total / total, "calls_per_step": e.count / steps} for e in ranked]
+    return [
+        {
+            "op": e.key[:90],
+            "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+            "share": e.self_cpu_time_total / total,
+            "calls_per_step": e.count / steps,
+        }
+        for e in ranked
+    ]
 
 
 def throughput(rows: list[Row], args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, QWEN25_05B["vocab_size"], (args.prompt_len,), generator=gen).tolist()
-               for _ in range(args.batch)]
+    prompts = [
+        torch.randint(4, QWEN25_05B["vocab_size"], (args.prompt_len,), generator=gen).tolist()
+        for _ in range(args.batch)
+    ]
     for row in rows:  # warm-up: first-call costs (lazy kernel packing, shape specialization)
         run_generate(row, prompts, args)
     for repeat in range(args.repeats):
         for row in rows:
             run = run_generate(row, prompts, args)
             row.runs.append(run)
-            print(f"repeat {repeat} {row.name}: {run['tokens'] / run['wall_s']:.1f} tok/s, decode step "
-                  f"{run['decode_step_ms']:.1f} ms (CPU {run['decode_cpu_ms']:.1f} ms), prefill "
-                  f"{run['prefill_s']:.2f} s, load {run['load1']:.2f}", flush=True)
+            print(
+                f"repeat {repeat} {row.name}: {run['tokens'] / run['wall_s']:.1f} tok/s, decode step "
+                f"{run['decode_step_ms']:.1f} ms (CPU {run['decode_cpu_ms']:.1f} ms), prefill "
+                f"{run['prefill_s']:.2f} s, load {run['load1']:.2f}",
+                flush=True,
+            )
     if args.profile_steps:
         for row in rows:
-            row.profile = run_generate(row, prompts, args, profile_steps=args.profile_steps)["profile"]
+            row.profile = run_generate(row, prompts, args, profile_steps=args.profile_steps)[
+                "profile"
+            ]
     results = []
     for row in rows:
         keys = ("wall_s", "cpu_s", "prefill_s", "decode_step_ms", "decode_cpu_ms", "load1")
         med = {k: statistics.median(r[k] for r in row.runs) for k in keys}
         tokens = row.runs[0]["tokens"]
-        results.append({
-            "row": row.name, "tok_s": tokens / med["wall_s"], "decode_tok_s": args.batch / med["decode_step_ms"] * 1e3,
-            "decode_step_ms": med["decode_step_ms"], "decode_cpu_ms": med["decode_cpu_ms"],
-            "cpu_decode_tok_s": args.batch / med["decode_cpu_ms"] * 1e3,
-            "prefill_s": med["prefill_s"], "wall_s": med["wall_s"],
-            "cpu_s": med["cpu_s"], "tok_s_runs": [r["tokens"] / r["wall_s"] for r in row.runs],
-            "load1": med["load1"], "tokens": tokens, "startup_s": row.startup_s,
-            "profile": getattr(row, "profile", None),
-        })
+        results.append(
+            {
+                "row": row.name,
+                "tok_s": tokens / med["wall_s"],
+                "decode_tok_s": args.batch / med["decode_step_ms"] * 1e3,
+                "decode_step_ms": med["decode_step_ms"],
+                "decode_cpu_ms": med["decode_cpu_ms"],
+                "cpu_decode_tok_s": args.batch / med["decode_cpu_ms"] * 1e3,
+                "prefill_s": med["prefill_s"],
+                "wall_s": med["wall_s"],
+                "cpu_s": med["cpu_s"],
+                "tok_s_runs": [r["tokens"] / r["wall_s"] for r in row.runs],
+                "load1": med["load1"],
+                "tokens": tokens,
+                "startup_s": row.startup_s,
+                "profile": getattr(row, "profile", None),
+            }
+        )
     by_name = {r["row"]: r for r in results}
     for r in results:
         for ref in ("bf16", "w8a8_int8"):
@@ -221,17 +267,29 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
     llm = row.llm
     model = llm.apply_model(lambda m: m)[0]
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.sync_dtype]
-    state = [(name, t.to(dtype)) for name, t in load_file(str(model_dir / "model.safetensors")).items()]
+    state = [
+        (name, t.to(dtype)) for name, t in load_file(str(model_dir / "model.safetensors")).items()
+    ]
     nbytes = sum(t.numel() * t.element_size() for _, t in state)
     buffers = [torch.empty_like(t) for _, t in state]
     sync = WeightSync(llm) if "weight_sync" in args.sync_paths else None
     check = vllm.SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, logprobs=0)
-    check_prompts = [{"prompt_token_ids": list(range(10, 40))}, {"prompt_token_ids": list(range(50, 70))}]
+    check_prompts = [
+        {"prompt_token_ids": list(range(10, 40))},
+        {"prompt_token_ids": list(range(50, 70))},
+    ]
 
     def tokens() -> list:
-        return [(list(o.outputs[0].token_ids), [round(s[t].logprob, 4) for s, t in
-                                                 zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-                for o in llm.generate(check_prompts, check, use_tqdm=False)]
+        return [
+            (
+                list(o.outputs[0].token_ids),
+                [
+                    round(s[t].logprob, 4)
+                    for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)
+                ],
+            )
+            for o in llm.generate(check_prompts, check, use_tqdm=False)
+        ]
 
     before = tokens()
 
@@ -258,8 +316,11 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
         seconds = time.perf_counter() - start
         stats, requant = direct_load.load_stats(reset=True), quant_methods.pop_requant_stats()
         if path in ("trl", "verl"):
-            extra = {"commit_s": stats["commit_s"], "layers": stats["layers_committed"],
-                     "requant_s": requant["requant_s"]}
+            extra = {
+                "commit_s": stats["commit_s"],
+                "layers": stats["layers_committed"],
+                "requant_s": requant["requant_s"],
+            }
         elif path == "reload":
             extra = {"requant_s": requant["requant_s"], "layers": requant["layers_requantized"]}
         return {"s": seconds, **extra}
@@ -270,18 +331,33 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
         for path in paths:
             runs[path].append(run(path))
             print(f"sync repeat {repeat} {path}: {runs[path][-1]['s']:.3f} s", flush=True)
-    profiles = {path: profile_sync(run, path) for path in args.sync_paths} if args.sync_profile else {}
+    profiles = (
+        {path: profile_sync(run, path) for path in args.sync_paths} if args.sync_profile else {}
+    )
     same = tokens() == before
     copy_s = statistics.median(r["s"] for r in runs["copy"])
     results = []
     for path in paths:
         med = {k: statistics.median(r[k] for r in runs[path]) for k in runs[path][0]}
-        results.append({"path": path, "s": med["s"], "GBps": nbytes / med["s"] / 1e9, "vs_copy": med["s"] / copy_s,
-                        "commit_s": med.get("commit_s"), "requant_s": med.get("requant_s"),
-                        "layers": med.get("layers"), "runs_s": [r["s"] for r in runs[path]],
-                        "outputs_unchanged": same if path != "copy" else None, "profile": profiles.get(path)})
-    print(f"sync: {len(state)} {args.sync_dtype} tensors, {nbytes / 1e9:.3f} GB; outputs after all syncs of the "
-          f"same weights equal those before: {same}", flush=True)
+        results.append(
+            {
+                "path": path,
+                "s": med["s"],
+                "GBps": nbytes / med["s"] / 1e9,
+                "vs_copy": med["s"] / copy_s,
+                "commit_s": med.get("commit_s"),
+                "requant_s": med.get("requant_s"),
+                "layers": med.get("layers"),
+                "runs_s": [r["s"] for r in runs[path]],
+                "outputs_unchanged": same if path != "copy" else None,
+                "profile": profiles.get(path),
+            }
+        )
+    print(
+        f"sync: {len(state)} {args.sync_dtype} tensors, {nbytes / 1e9:.3f} GB; outputs after all syncs of the "
+        f"same weights equal those before: {same}",
+        flush=True,
+    )
     return results
 
 
@@ -294,12 +370,24 @@ def profile_sync(run: Any, path: str, top: int = 8) -> list[dict[str, Any]]:
     prof.enable()
     run(path)
     prof.disable()
-    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    stats = pstats.Stats(
+        prof
+    ).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
     ranked = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
-    rows = [{"function": f"{Path(k[0]).name}:{k[1]}({k[2]})" if k[0] != "~" else k[2], "calls": v[0],
-             "own_s": v[2], "cumulative_s": v[3]} for k, v in ranked]
+    rows = [
+        {
+            "function": f"{Path(k[0]).name}:{k[1]}({k[2]})" if k[0] != "~" else k[2],
+            "calls": v[0],
+            "own_s": v[2],
+            "cumulative_s": v[3],
+        }
+        for k, v in ranked
+    ]
     for r in rows:
-        print(f"  sync {path}: {r['own_s']:.3f} s own, {r['calls']} calls: {r['function']}", flush=True)
+        print(
+            f"  sync {path}: {r['own_s']:.3f} s own, {r['calls']} calls: {r['function']}",
+            flush=True,
+        )
     return rows
 
 
@@ -320,31 +408,70 @@ def machine() -> dict[str, Any]:
             flags = line.split(":", 1)[1].split()
             info["flags"] = sorted(f for f in flags if f.startswith(("avx512", "amx")))
             break
-    return {**info, "cores": os.cpu_count(), "torch": torch.__version__, "vllm": vllm.__version__,
-            "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto (unused in-process)"),
-            "flashrl": str(Path(flashrl.__file__).parent), "date": time.strftime("%Y-%m-%d")}
+    return {
+        **info,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
+            "VLLM_CPU_OMP_THREADS_BIND", "auto (unused in-process)"
+        ),
+        "flashrl": str(Path(flashrl.__file__).parent),
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="bf16,flashrl_int8,w8a8_int8", help=f"comma-separated: {', '.join(ROWS)}")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--rows", default="bf16,flashrl_int8,w8a8_int8", help=f"comma-separated: {', '.join(ROWS)}"
+    )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3, help="timed generates per row (median)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="OMP_NUM_THREADS and torch threads (default: vLLM's choice, 1 in-process)")
-    parser.add_argument("--eager", action="store_true", help="enforce_eager=True (default: vLLM's compiled CPU path)")
-    parser.add_argument("--kv-mib", type=int, default=256, help="KV cache per engine (kv_cache_memory_bytes)")
-    parser.add_argument("--sync", default=",".join(SYNC_PATHS), help=f"load paths to time: {', '.join(SYNC_PATHS)}")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS and torch threads (default: vLLM's choice, 1 in-process)",
+    )
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="enforce_eager=True (default: vLLM's compiled CPU path)",
+    )
+    parser.add_argument(
+        "--kv-mib", type=int, default=256, help="KV cache per engine (kv_cache_memory_bytes)"
+    )
+    parser.add_argument(
+        "--sync", default=",".join(SYNC_PATHS), help=f"load paths to time: {', '.join(SYNC_PATHS)}"
+    )
     parser.add_argument("--sync-repeats", type=int, default=3)
-    parser.add_argument("--sync-profile", action="store_true", help="cProfile one more sync per path (top functions)")
-    parser.add_argument("--sync-dtype", default="bf16", choices=("bf16", "fp32"), help="dtype of the pushed tensors")
-    parser.add_argument("--profile-steps", type=int, default=0, help="torch.profiler over this many decode steps")
-    parser.add_argument("--layers", type=int, default=QWEN25_05B["num_hidden_layers"],
-                        help="decoder layers (fewer only for a quick check of the script)")
-    parser.add_argument("--model-dir", default=None, help="where the random checkpoints go (reused; default: temp)")
+    parser.add_argument(
+        "--sync-profile",
+        action="store_true",
+        help="cProfile one more sync per path (top functions)",
+    )
+    parser.add_argument(
+        "--sync-dtype", default="bf16", choices=("bf16", "fp32"), help="dtype of the pushed tensors"
+    )
+    parser.add_argument(
+        "--profile-steps", type=int, default=0, help="torch.profiler over this many decode steps"
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=QWEN25_05B["num_hidden_layers"],
+        help="decoder layers (fewer only for a quick check of the script)",
+    )
+    parser.add_argument(
+        "--model-dir", default=None, help="where the random checkpoints go (reused; default: temp)"
+    )
     parser.add_argument("--json", default="benchmarks/results/vllm_cpu.json")
     args = parser.parse_args()
     args.rows = parse_list(args.rows, ROWS, "--rows")
@@ -360,7 +487,9 @@ def main() -> None:
     from _common import format_table, write_json
 
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-        raise SystemExit("this benchmark needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (engines in this process)")
+        raise SystemExit(
+            "this benchmark needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (engines in this process)"
+        )
     root = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
@@ -376,26 +505,59 @@ def main() -> None:
             print(f"{row.name}: engine ready in {row.startup_s:.0f} s", flush=True)
         info = machine()
         results = throughput([engines[n] for n in args.rows], args) if args.rows else []
-        columns = ["row", "tok_s", "vs_bf16", "vs_w8a8_int8", "decode_tok_s", "decode_vs_bf16", "decode_vs_w8a8_int8",
-                   "cpu_decode_tok_s", "cpu_vs_bf16", "cpu_vs_w8a8_int8", "decode_step_ms", "decode_cpu_ms",
-                   "prefill_s", "load1"]
+        columns = [
+            "row",
+            "tok_s",
+            "vs_bf16",
+            "vs_w8a8_int8",
+            "decode_tok_s",
+            "decode_vs_bf16",
+            "decode_vs_w8a8_int8",
+            "cpu_decode_tok_s",
+            "cpu_vs_bf16",
+            "cpu_vs_w8a8_int8",
+            "decode_step_ms",
+            "decode_cpu_ms",
+            "prefill_s",
+            "load1",
+        ]
         if results:
             print(format_table(results, columns), flush=True)
         for r in results:
             for op in r["profile"] or []:
-                print(f"  {r['row']}: {op['self_ms_per_step']:.2f} ms/step ({op['share']:.0%}) {op['op']}")
+                print(
+                    f"  {r['row']}: {op['self_ms_per_step']:.2f} ms/step ({op['share']:.0%}) {op['op']}"
+                )
         sync = sync_times(engines["flashrl_int8"], model_dir, args) if args.sync_paths else []
     finally:
         if not args.model_dir:
             shutil.rmtree(root, ignore_errors=True)
     if sync:
-        print(format_table(sync, ["path", "s", "GBps", "vs_copy", "commit_s", "requant_s", "layers",
-                                  "outputs_unchanged"]))
-    print(f"machine: {info['cpu']} ({', '.join(info['flags']) or 'no AVX-512'}), torch threads "
-          f"{info['torch_threads']}, vLLM {info['vllm']}, torch {info['torch']}")
+        print(
+            format_table(
+                sync,
+                [
+                    "path",
+                    "s",
+                    "GBps",
+                    "vs_copy",
+                    "commit_s",
+                    "requant_s",
+                    "layers",
+                    "outputs_unchanged",
+                ],
+            )
+        )
+    print(
+        f"machine: {info['cpu']} ({', '.join(info['flags']) or 'no AVX-512'}), torch threads "
+        f"{info['torch_threads']}, vLLM {info['vllm']}, torch {info['torch']}"
+    )
     config = {k: v for k, v in vars(args).items() if k not in ("sync",)}
     model = {"family": "qwen2", **QWEN25_05B, "num_hidden_layers": args.layers}
-    write_json(args.json, {"machine": info, "config": config, "model": model, "throughput": results, "sync": sync})
+    write_json(
+        args.json,
+        {"machine": info, "config": config, "model": model, "throughput": results, "sync": sync},
+    )
 
 
 if __name__ == "__main__":

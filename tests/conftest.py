@@ -18,15 +18,21 @@ HAS_TRL = HAS_VLLM and importlib.util.find_spec("trl") is not None
 # Without vLLM the vllm suite is not collected at all (scripts/test.sh runs it in .venv-vllm), so
 # the report shows no skipped tests that were never meant to run here; likewise the TRL tests
 # without TRL + vLLM (.venv-trl).
-collect_ignore_glob = ([] if HAS_VLLM else ["test_vllm_*.py"]) + ([] if HAS_TRL else ["test_trl_*.py"])
+collect_ignore_glob = ([] if HAS_VLLM else ["test_vllm_*.py"]) + (
+    [] if HAS_TRL else ["test_trl_*.py"]
+)
 
 
 def pytest_report_header(config):
     lines = []
     if not HAS_VLLM:
-        lines.append("vllm is not installed: tests/test_vllm_*.py not collected (scripts/test.sh: .venv-vllm)")
+        lines.append(
+            "vllm is not installed: tests/test_vllm_*.py not collected (scripts/test.sh: .venv-vllm)"
+        )
     if not HAS_TRL:
-        lines.append("trl + vllm are not installed: tests/test_trl_*.py not collected (scripts/test.sh: .venv-trl)")
+        lines.append(
+            "trl + vllm are not installed: tests/test_trl_*.py not collected (scripts/test.sh: .venv-trl)"
+        )
     return lines or None
 
 

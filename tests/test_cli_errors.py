@@ -19,9 +19,16 @@ import flashrl.tools.cli as cli
 import flashrl.tools.profile
 import flashrl.tools.setup
 import flashrl.tools.verify
-from flashrl.tools.cli import UserError, main
 from flashrl.core.env import ENV_VARS
-from flashrl.errors import CheckpointError, ConfigError, FlashRLError, InputError, UnsupportedError, WeightError
+from flashrl.errors import (
+    CheckpointError,
+    ConfigError,
+    FlashRLError,
+    InputError,
+    UnsupportedError,
+    WeightError,
+)
+from flashrl.tools.cli import UserError, main
 
 
 @pytest.fixture(autouse=True)
@@ -49,8 +56,16 @@ def one_line_error(capsys, command: str) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("error", [KeyError("layers.0.q_proj"), ValueError("bug"), TypeError("bug"),
-                                   AttributeError("bug"), ConnectionError("no filename")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        KeyError("layers.0.q_proj"),
+        ValueError("bug"),
+        TypeError("bug"),
+        AttributeError("bug"),
+        ConnectionError("no filename"),
+    ],
+)
 def test_internal_errors_keep_their_traceback(monkeypatch, error):
     def run(args):
         raise error
@@ -60,9 +75,18 @@ def test_internal_errors_keep_their_traceback(monkeypatch, error):
         main(["verify", "--device", "cpu"])
 
 
-@pytest.mark.parametrize("error", [ConfigError("bad config"), InputError("bad input"), WeightError("bad tensor"),
-                                   CheckpointError("bad checkpoint"), UnsupportedError("cannot here"),
-                                   FlashRLError("base"), UserError("old name")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConfigError("bad config"),
+        InputError("bad input"),
+        WeightError("bad tensor"),
+        CheckpointError("bad checkpoint"),
+        UnsupportedError("cannot here"),
+        FlashRLError("base"),
+        UserError("old name"),
+    ],
+)
 def test_flashrl_errors_are_one_line_and_exit_2(monkeypatch, capsys, error):
     def run(args):
         raise error
@@ -82,17 +106,40 @@ def test_yaml_safetensors_and_path_errors_are_one_line(monkeypatch, capsys, tmp_
     from safetensors import SafetensorError
 
     cases = [
-        (yaml.YAMLError("mapping values are not allowed here"), "mapping values are not allowed here"),
+        (
+            yaml.YAMLError("mapping values are not allowed here"),
+            "mapping values are not allowed here",
+        ),
         (SafetensorError("Error while deserializing header: HeaderTooLarge"), "HeaderTooLarge"),
-        (FileNotFoundError(errno.ENOENT, "No such file or directory", str(tmp_path / "w.safetensors")),
-         f"{tmp_path / 'w.safetensors'}: No such file or directory"),
-        (IsADirectoryError(errno.EISDIR, "Is a directory", str(tmp_path)), f"{tmp_path}: Is a directory"),
-        (NotADirectoryError(errno.ENOTDIR, "Not a directory", "/etc/hostname/x"), "/etc/hostname/x: Not a directory"),
-        (PermissionError(errno.EACCES, "Permission denied", "/root/x"), "/root/x: Permission denied"),
-        (OSError(errno.ENOSPC, "No space left on device", "/data/ckpt"), "/data/ckpt: No space left on device"),
-        (FileNotFoundError("dataset file 'x.jsonl' does not exist"), "dataset file 'x.jsonl' does not exist"),
+        (
+            FileNotFoundError(
+                errno.ENOENT, "No such file or directory", str(tmp_path / "w.safetensors")
+            ),
+            f"{tmp_path / 'w.safetensors'}: No such file or directory",
+        ),
+        (
+            IsADirectoryError(errno.EISDIR, "Is a directory", str(tmp_path)),
+            f"{tmp_path}: Is a directory",
+        ),
+        (
+            NotADirectoryError(errno.ENOTDIR, "Not a directory", "/etc/hostname/x"),
+            "/etc/hostname/x: Not a directory",
+        ),
+        (
+            PermissionError(errno.EACCES, "Permission denied", "/root/x"),
+            "/root/x: Permission denied",
+        ),
+        (
+            OSError(errno.ENOSPC, "No space left on device", "/data/ckpt"),
+            "/data/ckpt: No space left on device",
+        ),
+        (
+            FileNotFoundError("dataset file 'x.jsonl' does not exist"),
+            "dataset file 'x.jsonl' does not exist",
+        ),
     ]
     for error, message in cases:
+
         def run(args, error=error):
             raise error
 
@@ -132,18 +179,30 @@ def test_setup_refuses_to_overwrite_its_profile(tmp_path, capsys):
     capsys.readouterr()
 
 
-@pytest.mark.parametrize("command, argv, module, attr", [
-    ("bench", ["--random-weights", "qwen2.5-0.5b", "--device", "cpu"], flashrl.tools.bench, "run_bench"),
-    ("profile", ["--model", "m", "--device", "cpu"], flashrl.tools.profile, "run_profile"),
-    ("setup", ["--profile", "p.json"], flashrl.tools.setup, "run_setup"),
-    ("verify", ["--device", "cpu"], flashrl.tools.verify, "run_verify"),
-])
-def test_bad_out_paths_fail_before_the_work(command, argv, module, attr, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "command, argv, module, attr",
+    [
+        (
+            "bench",
+            ["--random-weights", "qwen2.5-0.5b", "--device", "cpu"],
+            flashrl.tools.bench,
+            "run_bench",
+        ),
+        ("profile", ["--model", "m", "--device", "cpu"], flashrl.tools.profile, "run_profile"),
+        ("setup", ["--profile", "p.json"], flashrl.tools.setup, "run_setup"),
+        ("verify", ["--device", "cpu"], flashrl.tools.verify, "run_verify"),
+    ],
+)
+def test_bad_out_paths_fail_before_the_work(
+    command, argv, module, attr, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setattr(module, attr, _fail_if_called)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a_dir").mkdir()
-    for out, expected in [(tmp_path / "a_dir", "is a directory"),
-                          (tmp_path / "missing" / "x.out", "does not exist")]:
+    for out, expected in [
+        (tmp_path / "a_dir", "is a directory"),
+        (tmp_path / "missing" / "x.out", "does not exist"),
+    ]:
         assert main([command, *argv, "--out", str(out)]) == 2
         message = one_line_error(capsys, command)
         assert message.startswith(f"--out {out}") and expected in message, message
@@ -159,11 +218,34 @@ def test_bad_out_paths_fail_before_the_work(command, argv, module, attr, tmp_pat
         readonly.chmod(0o700)
 
 
-@pytest.mark.parametrize("flag, value", [("--batch", "0"), ("--output-len", "-1"), ("--prompt-len", "0"),
-                                         ("--max-prefill-tokens", "0"), ("--threads", "0")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--batch", "0"),
+        ("--output-len", "-1"),
+        ("--prompt-len", "0"),
+        ("--max-prefill-tokens", "0"),
+        ("--threads", "0"),
+    ],
+)
 def test_bench_sizes_are_checked(flag, value, monkeypatch, capsys):
     monkeypatch.setattr(flashrl.tools.bench, "_bench_engine", _fail_if_called)
-    assert main(["bench", "--random-weights", "qwen2.5-0.5b", "--device", "cpu", "--out", "", flag, value]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "--random-weights",
+                "qwen2.5-0.5b",
+                "--device",
+                "cpu",
+                "--out",
+                "",
+                flag,
+                value,
+            ]
+        )
+        == 2
+    )
     assert one_line_error(capsys, "bench").startswith(f"{flag} {value}")
 
 
@@ -176,19 +258,34 @@ def test_bench_and_profile_refuse_out_equal_to_an_input(tmp_path, monkeypatch, c
     assert "--random-weights" in one_line_error(capsys, "bench")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("1+1=\n")
-    assert main(["profile", "--model", str(tmp_path), "--prompts", str(prompts), "--out", str(prompts)]) == 2
+    assert (
+        main(
+            ["profile", "--model", str(tmp_path), "--prompts", str(prompts), "--out", str(prompts)]
+        )
+        == 2
+    )
     assert "--prompts" in one_line_error(capsys, "profile")
     assert (config.read_text(), prompts.read_text()) == ("{}", "1+1=\n")
 
 
 def minimal_profile(path):
     """The smallest file `flashrl setup` accepts: one scheme, no layers, no measured mismatch."""
-    from flashrl.tools.profile import SCHEMA_VERSION
     from flashrl.quant.linear import DEFAULT_SKIP
+    from flashrl.tools.profile import SCHEMA_VERSION
 
-    doc = {"schema_version": SCHEMA_VERSION, "layers": [],
-           "settings": {"schemes": ["int8"], "kv_cache_dtype": "bf16", "lm_head_fp32": False, "threshold": 0.1},
-           "schemes": {"int8": {"skip": list(DEFAULT_SKIP), "mismatch": {}, "mismatch_after_skip": None}}}
+    doc = {
+        "schema_version": SCHEMA_VERSION,
+        "layers": [],
+        "settings": {
+            "schemes": ["int8"],
+            "kv_cache_dtype": "bf16",
+            "lm_head_fp32": False,
+            "threshold": 0.1,
+        },
+        "schemes": {
+            "int8": {"skip": list(DEFAULT_SKIP), "mismatch": {}, "mismatch_after_skip": None}
+        },
+    }
     path.write_text(json.dumps(doc))
     return path
 
@@ -229,19 +326,24 @@ def no_training(monkeypatch):
     monkeypatch.setattr(flashrl.rl.run, "run", _fail_if_called)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("steps: [10\n", ["not valid YAML"]),
-    ("run: {steps: \"ten\"}\n", ["steps='ten'", "an integer"]),
-    ("algo: {lr: [1]}\n", ["lr=[1]", "a number"]),
-    ("run: {steps: true}\n", ["steps=True", "an integer"]),
-    ("run: {plot: 3}\n", ["plot=3", "true or false"]),
-    ("algo: {lr: .nan}\n", ["lr=nan", "a number"]),
-    ("model: [a, b]\n", ["model=['a', 'b']", "a string"]),
-    ("- steps\n", ["expected a mapping of TrainConfig fields, got list"]),
-    ("1: 2\n", ["unknown config key(s)", "1"]),
-    ("\xff\xfe: 1\n", []),
-])
-def test_train_config_file_errors_name_file_field_value_and_type(text, expected, tmp_path, capsys, no_training):
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("steps: [10\n", ["not valid YAML"]),
+        ('run: {steps: "ten"}\n', ["steps='ten'", "an integer"]),
+        ("algo: {lr: [1]}\n", ["lr=[1]", "a number"]),
+        ("run: {steps: true}\n", ["steps=True", "an integer"]),
+        ("run: {plot: 3}\n", ["plot=3", "true or false"]),
+        ("algo: {lr: .nan}\n", ["lr=nan", "a number"]),
+        ("model: [a, b]\n", ["model=['a', 'b']", "a string"]),
+        ("- steps\n", ["expected a mapping of TrainConfig fields, got list"]),
+        ("1: 2\n", ["unknown config key(s)", "1"]),
+        ("\xff\xfe: 1\n", []),
+    ],
+)
+def test_train_config_file_errors_name_file_field_value_and_type(
+    text, expected, tmp_path, capsys, no_training
+):
     path = tmp_path / "bad.yaml"
     path.write_text(text, encoding="latin-1" if "\xff" in text else "utf-8")
     assert main(["train", "--config", str(path)]) == 2
@@ -254,7 +356,7 @@ def test_train_config_file_errors_name_file_field_value_and_type(text, expected,
 def test_train_config_python_tags_are_not_executed(tmp_path, capsys, no_training):
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.yaml"
-    path.write_text(f"steps: !!python/object/apply:os.system [\"touch {marker}\"]\n")
+    path.write_text(f'steps: !!python/object/apply:os.system ["touch {marker}"]\n')
     assert main(["train", "--config", str(path)]) == 2
     assert str(path) in one_line_error(capsys, "train")
     assert not marker.exists()
@@ -278,12 +380,20 @@ def test_train_config_values_of_the_right_type_still_load(tmp_path):
     from flashrl.rl.config_build import build_config
 
     path = tmp_path / "ok.yaml"
-    path.write_text("run:\n  steps: 3\n  plot: false\n  vllm_kwargs: {enforce_eager: true}\nalgo:\n  lr: 1\n"
-                    "correction:\n  rejection_thresholds: 0.01\n  rejection: seq_mean_k3\n")
+    path.write_text(
+        "run:\n  steps: 3\n  plot: false\n  vllm_kwargs: {enforce_eager: true}\nalgo:\n  lr: 1\n"
+        "correction:\n  rejection_thresholds: 0.01\n  rejection: seq_mean_k3\n"
+    )
     config = build_config("tiny-cpu", str(path), {})
-    assert (config.run.steps, config.algo.lr, config.run.plot, config.correction.rejection_thresholds) == \
-        (3, 1.0, False, (0.01,))
-    assert isinstance(config.algo.lr, float) and json.loads(config.run.vllm_kwargs) == {"enforce_eager": True}
+    assert (
+        config.run.steps,
+        config.algo.lr,
+        config.run.plot,
+        config.correction.rejection_thresholds,
+    ) == (3, 1.0, False, (0.01,))
+    assert isinstance(config.algo.lr, float) and json.loads(config.run.vllm_kwargs) == {
+        "enforce_eager": True
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -306,13 +416,37 @@ class _FakeEngine:
         self.tokenizer, self.config = None, SimpleNamespace(quant="bf16")
 
     def generate(self, prompts, params):
-        return [SimpleNamespace(prompt_index=0, sample_index=0, text="", response_ids=[5, 6, 7],
-                                logprobs=[-math.inf, math.nan, -0.5], finish_reason="length")]
+        return [
+            SimpleNamespace(
+                prompt_index=0,
+                sample_index=0,
+                text="",
+                response_ids=[5, 6, 7],
+                logprobs=[-math.inf, math.nan, -0.5],
+                finish_reason="length",
+            )
+        ]
 
 
-def test_generate_json_is_valid_json_with_null_for_non_finite_logprobs(tmp_path, monkeypatch, capsys):
+def test_generate_json_is_valid_json_with_null_for_non_finite_logprobs(
+    tmp_path, monkeypatch, capsys
+):
     monkeypatch.setattr(flashrl.engine, "Engine", _FakeEngine)
-    assert main(["generate", "--model", str(tmp_path), "--device", "cpu", "--prompt-ids", "1,2", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tmp_path),
+                "--device",
+                "cpu",
+                "--prompt-ids",
+                "1,2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "NaN" not in out and "Infinity" not in out
     row = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
@@ -327,21 +461,29 @@ def test_generate_json_is_valid_json_with_null_for_non_finite_logprobs(tmp_path,
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command, argv", [
-    ("verify", []),
-    ("bench", ["--random-weights", "qwen2.5-0.5b", "--out", ""]),
-    ("generate", ["--model", "m", "--prompt", "hi"]),
-    ("profile", ["--model", "m"]),
-    ("train", []),
-])
+@pytest.mark.parametrize(
+    "command, argv",
+    [
+        ("verify", []),
+        ("bench", ["--random-weights", "qwen2.5-0.5b", "--out", ""]),
+        ("generate", ["--model", "m", "--prompt", "hi"]),
+        ("profile", ["--model", "m"]),
+        ("train", []),
+    ],
+)
 def test_cuda_device_without_cuda_is_one_line(command, argv, monkeypatch, capsys, tmp_path):
     import torch
 
     import flashrl.rl.run
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for module, attr in [(flashrl.tools.verify, "run_verify"), (flashrl.tools.bench, "run_bench"),
-                         (flashrl.engine, "Engine"), (flashrl.tools.profile, "run_profile"), (flashrl.rl.run, "run")]:
+    for module, attr in [
+        (flashrl.tools.verify, "run_verify"),
+        (flashrl.tools.bench, "run_bench"),
+        (flashrl.engine, "Engine"),
+        (flashrl.tools.profile, "run_profile"),
+        (flashrl.rl.run, "run"),
+    ]:
         monkeypatch.setattr(module, attr, _fail_if_called)
     monkeypatch.chdir(tmp_path)
     device_flag = "--run.device" if command == "train" else "--device"
@@ -360,11 +502,17 @@ def test_device_names_are_checked(capsys, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, value", [
-    ("FLASHRL_CONFIG", "int4"), ("FLASHRL_CONFIG", "missing.yaml"), ("FLASHRL_LMHEAD_FP32", "maybe"),
-    ("FLASHRL_LOGGING_LEVEL", "loud"), ("FLASHRL_LOGGING_FILE", "/nonexistent/dir/x.log"),
-    ("FLASHRL_QUANT_KERNELS", "cuda"),
-])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("FLASHRL_CONFIG", "int4"),
+        ("FLASHRL_CONFIG", "missing.yaml"),
+        ("FLASHRL_LMHEAD_FP32", "maybe"),
+        ("FLASHRL_LOGGING_LEVEL", "loud"),
+        ("FLASHRL_LOGGING_FILE", "/nonexistent/dir/x.log"),
+        ("FLASHRL_QUANT_KERNELS", "cuda"),
+    ],
+)
 def test_bad_environment_variables_are_config_errors(name, value, monkeypatch, capsys, tmp_path):
     from flashrl.core.env import configure_logging, from_env
     from flashrl.quant.kernels import get_mode

@@ -33,7 +33,13 @@ def clean_env(monkeypatch):
 def test_defaults():
     c = RolloutConfig()
     assert (c.quant, c.skip, c.kv_cache_dtype, c.kv_scale, c.lm_head_fp32, c.logprobs_mode) == (
-        "bf16", DEFAULT_SKIP, "bf16", "calibrated", False, "processed")
+        "bf16",
+        DEFAULT_SKIP,
+        "bf16",
+        "calibrated",
+        False,
+        "processed",
+    )
 
 
 def test_core_vocabulary_is_the_quantization_packages():
@@ -47,7 +53,10 @@ def test_core_vocabulary_is_the_quantization_packages():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(quant="int4"), "unknown quantization scheme 'int4'; allowed: bf16, int8, fp8, fp8_channel, fp8_block"),
+        (
+            dict(quant="int4"),
+            "unknown quantization scheme 'int4'; allowed: bf16, int8, fp8, fp8_channel, fp8_block",
+        ),
         (dict(quant=None), "unknown quantization scheme None"),
         (dict(skip=None), "skip must be a list of module-name patterns, got None"),
         (dict(skip="lm_head"), "skip must be a list of module-name patterns, got 'lm_head'"),
@@ -55,14 +64,20 @@ def test_core_vocabulary_is_the_quantization_packages():
         (dict(skip=("lm_head", 3)), "non-empty module-name patterns, got 3"),
         (dict(skip=("re:(",)), "skip pattern 're:(' is not a valid regular expression"),
         (dict(kv_cache_dtype="int8"), "kv_cache_dtype='int8' is invalid; allowed: bf16, fp8"),
-        (dict(kv_scale="static"), "kv_scale='static' is invalid; allowed: calibrated, dynamic or a positive finite number"),
+        (
+            dict(kv_scale="static"),
+            "kv_scale='static' is invalid; allowed: calibrated, dynamic or a positive finite number",
+        ),
         (dict(kv_scale=0.0), "kv_scale=0.0 is invalid"),
         (dict(kv_scale=-1), "kv_scale=-1 is invalid"),
         (dict(kv_scale=float("nan")), "kv_scale=nan is invalid"),
         (dict(kv_scale=float("inf")), "kv_scale=inf is invalid"),
         (dict(kv_scale=True), "kv_scale=True is invalid"),
         (dict(lm_head_fp32="yes"), "lm_head_fp32 must be true or false, got 'yes'"),
-        (dict(logprobs_mode="sampled"), "logprobs_mode='sampled' is invalid; allowed: processed, raw"),
+        (
+            dict(logprobs_mode="sampled"),
+            "logprobs_mode='sampled' is invalid; allowed: processed, raw",
+        ),
     ],
 )
 def test_invalid_fields_name_field_and_allowed_values(kwargs, message):
@@ -79,7 +94,10 @@ def test_normalization():
 
 
 def test_from_dict_unknown_key_names_source_and_allowed():
-    with pytest.raises(ValueError, match=r"my.yaml: unknown key\(s\) quantization; allowed: quant, skip, kv_cache_dtype"):
+    with pytest.raises(
+        ValueError,
+        match=r"my.yaml: unknown key\(s\) quantization; allowed: quant, skip, kv_cache_dtype",
+    ):
         RolloutConfig.from_dict({"quantization": "int8"}, source="my.yaml")
     with pytest.raises(ValueError, match="my.yaml: kv_cache_dtype='fp4' is invalid"):
         RolloutConfig.from_dict({"kv_cache_dtype": "fp4"}, source="my.yaml")
@@ -93,8 +111,14 @@ def test_from_dict_unknown_key_names_source_and_allowed():
 
 
 def test_yaml_round_trip_with_header(tmp_path):
-    config = RolloutConfig(quant="fp8_channel", skip=("lm_head", "model.layers.1.mlp.down_proj", "re:layers\\.0\\."),
-                           kv_cache_dtype="fp8", kv_scale=0.25, lm_head_fp32=True, logprobs_mode="raw")
+    config = RolloutConfig(
+        quant="fp8_channel",
+        skip=("lm_head", "model.layers.1.mlp.down_proj", "re:layers\\.0\\."),
+        kv_cache_dtype="fp8",
+        kv_scale=0.25,
+        lm_head_fp32=True,
+        logprobs_mode="raw",
+    )
     path = config.to_yaml(tmp_path / "flashrl.yaml", header="written by a test\n\nsecond line")
     text = path.read_text()
     assert text.startswith("# written by a test\n#\n# second line\nquant: fp8_channel\n")
@@ -105,7 +129,9 @@ def test_yaml_round_trip_with_header(tmp_path):
 def test_yaml_nested_rollout_key_and_empty_file(tmp_path):
     nested = tmp_path / "nested.yaml"
     nested.write_text("rollout:\n  quant: int8\n  skip: [lm_head, '*.down_proj']\n")
-    assert RolloutConfig.from_yaml(nested) == RolloutConfig(quant="int8", skip=("lm_head", "*.down_proj"))
+    assert RolloutConfig.from_yaml(nested) == RolloutConfig(
+        quant="int8", skip=("lm_head", "*.down_proj")
+    )
     empty = tmp_path / "empty.yaml"
     empty.write_text("# nothing\n")
     assert RolloutConfig.from_yaml(empty) == RolloutConfig()
@@ -188,10 +214,15 @@ def test_flashrl_config_schemes(name):
 
 
 def test_flashrl_config_yaml_path(tmp_path, monkeypatch):
-    path = RolloutConfig(quant="int8", skip=("lm_head", "*.down_proj"), kv_cache_dtype="fp8").to_yaml(tmp_path / "flashrl.yaml")
+    path = RolloutConfig(
+        quant="int8", skip=("lm_head", "*.down_proj"), kv_cache_dtype="fp8"
+    ).to_yaml(tmp_path / "flashrl.yaml")
     assert from_env({"FLASHRL_CONFIG": str(path)}) == RolloutConfig.from_yaml(path)
     monkeypatch.chdir(tmp_path)
-    assert from_env({"FLASHRL_CONFIG": "flashrl.yaml"}).skip == ("lm_head", "*.down_proj")  # relative path
+    assert from_env({"FLASHRL_CONFIG": "flashrl.yaml"}).skip == (
+        "lm_head",
+        "*.down_proj",
+    )  # relative path
 
 
 @pytest.mark.parametrize("value", ["int4", "w8a8", "fp8-block", "bf 16"])
@@ -201,30 +232,42 @@ def test_flashrl_config_invalid_names_variable_and_allowed(value):
 
 
 def test_flashrl_config_missing_or_bad_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="FLASHRL_CONFIG: config file 'nope.yaml' does not exist"):
+    with pytest.raises(
+        FileNotFoundError, match="FLASHRL_CONFIG: config file 'nope.yaml' does not exist"
+    ):
         from_env({"FLASHRL_CONFIG": "nope.yaml"})
     bad = tmp_path / "bad.yaml"
     bad.write_text("quant: int8\nkv_cache_dtype: fp4\n")
-    with pytest.raises(ValueError, match=r"FLASHRL_CONFIG='.*bad.yaml': .*bad.yaml: kv_cache_dtype='fp4' is invalid; allowed: bf16, fp8"):
+    with pytest.raises(
+        ValueError,
+        match=r"FLASHRL_CONFIG='.*bad.yaml': .*bad.yaml: kv_cache_dtype='fp4' is invalid; allowed: bf16, fp8",
+    ):
         from_env({"FLASHRL_CONFIG": str(bad)})
 
 
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "yes", "on", " True "])
 def test_lmhead_fp32_true(value):
     assert from_env({"FLASHRL_LMHEAD_FP32": value}) == RolloutConfig(lm_head_fp32=True)
-    assert from_env({"FLASHRL_CONFIG": "int8", "FLASHRL_LMHEAD_FP32": value}) == RolloutConfig(quant="int8", lm_head_fp32=True)
+    assert from_env({"FLASHRL_CONFIG": "int8", "FLASHRL_LMHEAD_FP32": value}) == RolloutConfig(
+        quant="int8", lm_head_fp32=True
+    )
 
 
 @pytest.mark.parametrize("value", ["0", "false", "No", "off"])
 def test_lmhead_fp32_false_overrides_the_file(tmp_path, value):
     path = RolloutConfig(quant="int8", lm_head_fp32=True).to_yaml(tmp_path / "c.yaml")
     assert from_env({"FLASHRL_CONFIG": str(path)}).lm_head_fp32 is True
-    assert from_env({"FLASHRL_CONFIG": str(path), "FLASHRL_LMHEAD_FP32": value}) == RolloutConfig(quant="int8")
+    assert from_env({"FLASHRL_CONFIG": str(path), "FLASHRL_LMHEAD_FP32": value}) == RolloutConfig(
+        quant="int8"
+    )
 
 
 @pytest.mark.parametrize("value", ["2", "maybe", "enabled", "fp32"])
 def test_lmhead_fp32_invalid(value):
-    with pytest.raises(ValueError, match=f"FLASHRL_LMHEAD_FP32={value!r} is invalid; allowed: 1/true/yes/on or 0/false/no/off"):
+    with pytest.raises(
+        ValueError,
+        match=f"FLASHRL_LMHEAD_FP32={value!r} is invalid; allowed: 1/true/yes/on or 0/false/no/off",
+    ):
         from_env({"FLASHRL_LMHEAD_FP32": value})
     with pytest.raises(ValueError, match="X='2' is invalid"):
         parse_bool("X", "2")
@@ -240,11 +283,16 @@ def test_engine_applies_environment(tiny_models, monkeypatch):
     engine = Engine(model, device="cpu", progress=False, max_batch=1, max_len=16)
     assert engine.config == RolloutConfig(quant="int8", lm_head_fp32=True)
     assert isinstance(engine.model.layers[0].mlp.down_proj, QuantLinear)
-    assert isinstance(engine.model.lm_head, DenseLinear) and engine.model.lm_head.weight.dtype == torch.float32
+    assert (
+        isinstance(engine.model.lm_head, DenseLinear)
+        and engine.model.lm_head.weight.dtype == torch.float32
+    )
     monkeypatch.setenv("FLASHRL_CONFIG", "int4")
     with pytest.raises(ValueError, match="FLASHRL_CONFIG='int4' is invalid"):
         Engine(model, device="cpu", progress=False)
-    assert Engine(model, quant="bf16", device="cpu", progress=False, max_len=16).config.quant == "bf16"  # explicit wins
+    assert (
+        Engine(model, quant="bf16", device="cpu", progress=False, max_len=16).config.quant == "bf16"
+    )  # explicit wins
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,8 +300,16 @@ def test_engine_applies_environment(tiny_models, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value, level", [("DEBUG", logging.DEBUG), ("info", logging.INFO), (" Warning ", logging.WARNING),
-                                          ("ERROR", logging.ERROR), ("critical", logging.CRITICAL)])
+@pytest.mark.parametrize(
+    "value, level",
+    [
+        ("DEBUG", logging.DEBUG),
+        ("info", logging.INFO),
+        (" Warning ", logging.WARNING),
+        ("ERROR", logging.ERROR),
+        ("critical", logging.CRITICAL),
+    ],
+)
 def test_logging_level(flashrl_logger, value, level):
     assert configure_logging({"FLASHRL_LOGGING_LEVEL": value}) is flashrl_logger
     assert flashrl_logger.level == level
@@ -262,8 +318,13 @@ def test_logging_level(flashrl_logger, value, level):
 @pytest.mark.parametrize("value", ["verbose", "10", "warn "])
 def test_logging_level_invalid(flashrl_logger, value):
     before = flashrl_logger.level
-    with pytest.raises(ValueError, match=f"FLASHRL_LOGGING_LEVEL={value!r} is invalid; allowed: DEBUG, INFO, WARNING, ERROR, CRITICAL"):
-        configure_logging({"FLASHRL_LOGGING_LEVEL": value, "FLASHRL_LOGGING_FILE": "/tmp/never-opened.log"})
+    with pytest.raises(
+        ValueError,
+        match=f"FLASHRL_LOGGING_LEVEL={value!r} is invalid; allowed: DEBUG, INFO, WARNING, ERROR, CRITICAL",
+    ):
+        configure_logging(
+            {"FLASHRL_LOGGING_LEVEL": value, "FLASHRL_LOGGING_FILE": "/tmp/never-opened.log"}
+        )
     assert flashrl_logger.level == before  # nothing changed, not even the file handler
     assert not any(isinstance(h, logging.FileHandler) for h in flashrl_logger.handlers)
 
@@ -271,7 +332,9 @@ def test_logging_level_invalid(flashrl_logger, value):
 def test_logging_file_receives_flashrl_records_only(flashrl_logger, tmp_path):
     path = tmp_path / "flashrl.log"
     configure_logging({"FLASHRL_LOGGING_LEVEL": "INFO", "FLASHRL_LOGGING_FILE": str(path)})
-    configure_logging({"FLASHRL_LOGGING_LEVEL": "INFO", "FLASHRL_LOGGING_FILE": str(path)})  # idempotent
+    configure_logging(
+        {"FLASHRL_LOGGING_LEVEL": "INFO", "FLASHRL_LOGGING_FILE": str(path)}
+    )  # idempotent
     assert sum(isinstance(h, logging.FileHandler) for h in flashrl_logger.handlers) == 1
     logging.getLogger("flashrl.engine.engine").info("hello from the engine")
     logging.getLogger("flashrl").debug("below the level")
@@ -304,7 +367,9 @@ def test_logging_file_errors(flashrl_logger, tmp_path):
         configure_logging({"FLASHRL_LOGGING_FILE": str(tmp_path)})
 
 
-def test_logging_level_adds_a_stderr_handler_only_when_nothing_would_show_records(flashrl_logger, capsys):
+def test_logging_level_adds_a_stderr_handler_only_when_nothing_would_show_records(
+    flashrl_logger, capsys
+):
     flashrl_logger.handlers[:] = []
     flashrl_logger.propagate = False  # no ancestor handlers either: records would go nowhere
     configure_logging({"FLASHRL_LOGGING_LEVEL": "INFO"})
@@ -312,19 +377,29 @@ def test_logging_level_adds_a_stderr_handler_only_when_nothing_would_show_record
     assert len(flashrl_logger.handlers) == 1
     flashrl_logger.info("visible")
     assert "INFO flashrl: visible" in capsys.readouterr().err
-    flashrl_logger.handlers[:] = [logging.NullHandler()]  # the application has its own handler: none added
+    flashrl_logger.handlers[:] = [
+        logging.NullHandler()
+    ]  # the application has its own handler: none added
     configure_logging({"FLASHRL_LOGGING_LEVEL": "DEBUG"})
     assert len(flashrl_logger.handlers) == 1
 
 
 def test_import_configures_nothing_and_never_fails_on_bad_values():
     """Importing flashrl (and its engine) with bad FLASHRL_* values neither raises nor adds handlers."""
-    env = dict(os.environ, FLASHRL_LOGGING_LEVEL="bogus", FLASHRL_LOGGING_FILE="/nonexistent/dir/x.log",
-               FLASHRL_CONFIG="int4")
-    code = ("import logging, flashrl, flashrl.config, flashrl.engine.engine, flashrl.cli\n"
-            "print(len(logging.getLogger('flashrl').handlers), len(logging.getLogger().handlers), "
-            "logging.getLogger('flashrl').level)")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    env = dict(
+        os.environ,
+        FLASHRL_LOGGING_LEVEL="bogus",
+        FLASHRL_LOGGING_FILE="/nonexistent/dir/x.log",
+        FLASHRL_CONFIG="int4",
+    )
+    code = (
+        "import logging, flashrl, flashrl.config, flashrl.engine.engine, flashrl.cli\n"
+        "print(len(logging.getLogger('flashrl').handlers), len(logging.getLogger().handlers), "
+        "logging.getLogger('flashrl').level)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "0", "0"]
 
@@ -335,4 +410,7 @@ def test_cli_reports_bad_variables(flashrl_logger, monkeypatch, capsys, tmp_path
     monkeypatch.setenv("FLASHRL_LOGGING_LEVEL", "loud")
     assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
-    assert "FLASHRL_LOGGING_LEVEL='loud' is invalid; allowed: DEBUG, INFO, WARNING, ERROR, CRITICAL" in err
+    assert (
+        "FLASHRL_LOGGING_LEVEL='loud' is invalid; allowed: DEBUG, INFO, WARNING, ERROR, CRITICAL"
+        in err
+    )

@@ -9,10 +9,10 @@ import math
 
 import pytest
 import torch
-import verl_reference as verl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import verl_reference as verl
 from flashrl.correction import (
     AGGREGATIONS,
     ICEPOP_BAND,
@@ -46,7 +46,9 @@ def _k_stat(kind: str, delta: float) -> float:
     return {"k1": -ell, "rho": ell, "k2": ell * ell / 2, "k3": math.exp(ell) - 1 - ell}[kind]
 
 
-def ref_correction(train, roll, mask, cfg: CorrectionConfig, bounds: dict[str, tuple[float, float]]):
+def ref_correction(
+    train, roll, mask, cfg: CorrectionConfig, bounds: dict[str, tuple[float, float]]
+):
     """Returns (weights, kept, pre-rejection weights, raw weights, per-option keep, per-option stats)."""
     cap = cfg.cap
     band = cfg.band or ((0.5, 5.0) if cfg.weight == "token_mis" else (0.0, cap))
@@ -84,7 +86,9 @@ def ref_correction(train, roll, mask, cfg: CorrectionConfig, bounds: dict[str, t
                     opt_stats[option].append(stats[t])
             elif valid:
                 values = list(stats.values())
-                s = {"seq_sum": sum(values), "seq_mean": _mean(values), "seq_max": max(values)}[level]
+                s = {"seq_sum": sum(values), "seq_mean": _mean(values), "seq_max": max(values)}[
+                    level
+                ]
                 opt_stats[option].append(s)
                 for t in valid:
                     opt_keep[option][i][t] = ok(s)
@@ -106,7 +110,12 @@ def ref_correction(train, roll, mask, cfg: CorrectionConfig, bounds: dict[str, t
 def ref_mismatch(train, roll, mask, cap: float) -> dict[str, float]:
     """verl's off-policy and probability-diff metrics, flashrl's extras by loops, and the
     token-level ratio fractions of the band [1/cap, cap]."""
-    toks = [(train[i][t], roll[i][t]) for i in range(len(mask)) for t in range(len(mask[i])) if mask[i][t]]
+    toks = [
+        (train[i][t], roll[i][t])
+        for i in range(len(mask))
+        for t in range(len(mask[i]))
+        if mask[i][t]
+    ]
     p_tr = [math.exp(a) for a, _ in toks]
     p_ro = [math.exp(b) for _, b in toks]
     mu_a, mu_b = _mean(p_tr), _mean(p_ro)
@@ -132,11 +141,15 @@ def ref_metrics(train, roll, mask, cfg: CorrectionConfig, bounds) -> dict[str, f
     metric_band = band if cfg.weight.endswith("mis") else (1 / cap, cap)
     sums = [sum(train[i][t] - roll[i][t] for t in range(T) if mask[i][t]) for i in range(B)]
     out = ref_mismatch(train, roll, mask, cap)
-    out.update(verl.is_metrics(w0, raw, mask, sums, cfg.weight.startswith("seq"), metric_band, False))
+    out.update(
+        verl.is_metrics(w0, raw, mask, sums, cfg.weight.startswith("seq"), metric_band, False)
+    )
     out.update(
         {
             "rollout_is_clipped_fraction": (
-                _mean([float(raw[i][t] > cap) for i, t in vidx]) if cfg.weight.endswith("tis") else 0.0
+                _mean([float(raw[i][t] > cap) for i, t in vidx])
+                if cfg.weight.endswith("tis")
+                else 0.0
             ),
             "rollout_is_oob_ratio": (
                 _mean([float(not band[0] <= raw[i][t] <= band[1]) for i, t in vidx])
@@ -149,7 +162,9 @@ def ref_metrics(train, roll, mask, cfg: CorrectionConfig, bounds) -> dict[str, f
         }
     )
     if cfg.rejection:
-        specs = [f"{lo!r}_{hi!r}" if o.endswith(("k1", "rho")) else hi for o, (lo, hi) in bounds.items()]
+        specs = [
+            f"{lo!r}_{hi!r}" if o.endswith(("k1", "rho")) else hi for o, (lo, hi) in bounds.items()
+        ]
         verl_kept, rs = verl.rejection(train, roll, mask, list(bounds), specs)
         assert verl_kept == kept  # the loop reference above agrees with verl's rule
         out.update(rs)
@@ -160,7 +175,9 @@ def ref_metrics(train, roll, mask, cfg: CorrectionConfig, bounds) -> dict[str, f
 # Inputs
 
 
-def random_batch(gen: torch.Generator, B: int = 7, T: int = 11, scale: float = 0.5, extreme: bool = True):
+def random_batch(
+    gen: torch.Generator, B: int = 7, T: int = 11, scale: float = 0.5, extreme: bool = True
+):
     """Rollout logprobs, trainer logprobs and a ragged right-padded mask with an empty and a full row.
     Padding holds NaN and -1 (FlashRL's old padding sentinel) to prove it is ignored."""
     lengths = torch.randint(1, T + 1, (B,), generator=gen)
@@ -219,7 +236,9 @@ REFERENCE_CONFIGS = [
     make_config(weight="token_mis", band=(0.7, 1.4)),
     make_config(weight="seq_mis", band=(0.5, 2.0)),
     *[make_config(weight="token_tis", rejection=(o,)) for o in REJECTION_OPTIONS],
-    make_config(weight="token_tis", rejection=("token_k1", "seq_mean_k1", "seq_mean_k3", "seq_max_k2")),
+    make_config(
+        weight="token_tis", rejection=("token_k1", "seq_mean_k1", "seq_mean_k3", "seq_max_k2")
+    ),
     make_config(weight="seq_tis", cap=5.0, rejection=("seq_sum_k1",)),
     make_config(weight="token_tis", batch_normalize=True),
     make_config(weight="token_mis", batch_normalize=True, rejection=("token_k2",)),
@@ -230,7 +249,9 @@ REFERENCE_CONFIGS = [
 
 
 def _close(actual: float, expected: float, key: str, rel: float = 1e-4, abs_: float = 2e-5) -> None:
-    assert math.isclose(actual, expected, rel_tol=rel, abs_tol=abs_), f"{key}: got {actual!r}, expected {expected!r}"
+    assert math.isclose(actual, expected, rel_tol=rel, abs_tol=abs_), (
+        f"{key}: got {actual!r}, expected {expected!r}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -238,7 +259,9 @@ def _close(actual: float, expected: float, key: str, rel: float = 1e-4, abs_: fl
 
 
 @pytest.mark.parametrize(
-    "cfg", REFERENCE_CONFIGS, ids=lambda c: f"{c.mode}-{c.weight}-{'+'.join(c.rejection)}-bn{int(c.batch_normalize)}"
+    "cfg",
+    REFERENCE_CONFIGS,
+    ids=lambda c: f"{c.mode}-{c.weight}-{'+'.join(c.rejection)}-bn{int(c.batch_normalize)}",
 )
 def test_matches_loop_reference(cfg: CorrectionConfig, gen: torch.Generator) -> None:
     train, roll, mask = random_batch(gen)
@@ -249,7 +272,9 @@ def test_matches_loop_reference(cfg: CorrectionConfig, gen: torch.Generator) -> 
 
     assert corr.mask.tolist() == kept
     torch.testing.assert_close(corr.is_weights, torch.tensor(w), rtol=2e-6, atol=1e-7)
-    expected_loss_weights = torch.tensor(w) if cfg.mode == "decoupled" else torch.tensor(kept).float()
+    expected_loss_weights = (
+        torch.tensor(w) if cfg.mode == "decoupled" else torch.tensor(kept).float()
+    )
     torch.testing.assert_close(corr.weights, expected_loss_weights, rtol=2e-6, atol=1e-7)
 
     expected = ref_metrics(*lists, cfg, bounds)
@@ -266,7 +291,9 @@ def test_reference_inputs_exercise_rejection_and_truncation(gen: torch.Generator
     assert m["rollout_is_clipped_fraction"] > 0
     for option in THRESHOLDS:
         assert m[f"rollout_rs_{option}_masked_fraction"] > 0, option
-    mis = compute_correction(train, roll, mask, make_config(weight="token_mis", band=(0.7, 1.4))).metrics
+    mis = compute_correction(
+        train, roll, mask, make_config(weight="token_mis", band=(0.7, 1.4))
+    ).metrics
     assert 0 < mis["rollout_is_oob_ratio"] < 1
 
 
@@ -304,14 +331,18 @@ def test_geometric_rejection_is_length_invariant() -> None:
 
 
 def test_default_thresholds() -> None:
-    cfg = CorrectionConfig(cap=3.0, rejection=("token_k1", "seq_sum_k1", "seq_mean_k1", "seq_mean_k3"))
+    cfg = CorrectionConfig(
+        cap=3.0, rejection=("token_k1", "seq_sum_k1", "seq_mean_k1", "seq_mean_k3")
+    )
     assert cfg.rejection_bounds() == {
         "token_k1": (1 / 3.0, 3.0),
         "seq_sum_k1": (0.5, 2.0),
         "seq_mean_k1": (0.999, 1.001),
         "seq_mean_k3": (0.0, 0.01),
     }
-    broadcast = CorrectionConfig(rejection=("token_k1", "seq_mean_k1"), rejection_thresholds=(1.25,))
+    broadcast = CorrectionConfig(
+        rejection=("token_k1", "seq_mean_k1"), rejection_thresholds=(1.25,)
+    )
     assert broadcast.rejection_bounds() == {"token_k1": (0.8, 1.25), "seq_mean_k1": (0.8, 1.25)}
 
 
@@ -332,7 +363,9 @@ def test_decoupled_ratio_uses_old_logprobs(gen: torch.Generator) -> None:
     corr = compute_correction(train, roll, mask, CorrectionConfig(), old_logprobs=roll.clone())
     assert torch.equal(corr.weights, mask.float())
     direct = compute_correction(train, roll, mask, CorrectionConfig())
-    via_old = compute_correction(torch.zeros_like(train), roll, mask, CorrectionConfig(), old_logprobs=train)
+    via_old = compute_correction(
+        torch.zeros_like(train), roll, mask, CorrectionConfig(), old_logprobs=train
+    )
     assert torch.equal(direct.weights, via_old.weights) and direct.metrics == via_old.metrics
 
 
@@ -349,10 +382,14 @@ def test_bypass_applies_no_is_weight_but_keeps_rejection(gen: torch.Generator) -
 
 def test_batch_normalize_gives_unit_mean(gen: torch.Generator) -> None:
     train, roll, mask = random_batch(gen)
-    corr = compute_correction(train, roll, mask, make_config(batch_normalize=True, rejection=("token_k1",)))
+    corr = compute_correction(
+        train, roll, mask, make_config(batch_normalize=True, rejection=("token_k1",))
+    )
     _close(corr.weights[corr.mask].mean().item(), 1.0, "token mean", rel=1e-6)
     assert corr.metrics["rollout_is_batch_norm_factor"] != 1.0
-    seq = compute_correction(train, roll, mask, make_config(weight="seq_tis", cap=5.0, batch_normalize=True))
+    seq = compute_correction(
+        train, roll, mask, make_config(weight="seq_tis", cap=5.0, batch_normalize=True)
+    )
     per_seq = [row[m].max().item() for row, m in zip(seq.weights, seq.mask, strict=True) if m.any()]
     _close(sum(per_seq) / len(per_seq), 1.0, "sequence mean", rel=1e-6)
 
@@ -360,9 +397,14 @@ def test_batch_normalize_gives_unit_mean(gen: torch.Generator) -> None:
 def test_mis_keeps_tokens_in_mask_while_rejection_removes_them(gen: torch.Generator) -> None:
     """correction.md pitfall 4: IcePop zeroes the weight, the token stays in the denominator."""
     train, roll, mask = random_batch(gen)
-    mis = compute_correction(train, roll, mask, CorrectionConfig(weight="token_mis", band=(0.7, 1.4)))
+    mis = compute_correction(
+        train, roll, mask, CorrectionConfig(weight="token_mis", band=(0.7, 1.4))
+    )
     rs = compute_correction(
-        train, roll, mask, CorrectionConfig(rejection=("token_rho",), rejection_thresholds=((0.7, 1.4),))
+        train,
+        roll,
+        mask,
+        CorrectionConfig(rejection=("token_rho",), rejection_thresholds=((0.7, 1.4),)),
     )
     zeroed = mask & (mis.weights == 0)
     assert zeroed.any()
@@ -377,7 +419,9 @@ def test_mis_keeps_tokens_in_mask_while_rejection_removes_them(gen: torch.Genera
 IDENTITY_CONFIGS = [
     *[CorrectionConfig(weight=w) for w in WEIGHTS],
     *[make_config(rejection=(o,)) for o in REJECTION_OPTIONS],
-    CorrectionConfig(rejection=("token_k1", "seq_sum_k1", "seq_mean_k1", "seq_mean_k3")),  # documented defaults
+    CorrectionConfig(
+        rejection=("token_k1", "seq_sum_k1", "seq_mean_k1", "seq_mean_k3")
+    ),  # documented defaults
     CorrectionConfig(weight="seq_tis", batch_normalize=True),
     CorrectionConfig(weight="token_mis", batch_normalize=True),
     CorrectionConfig(mode="bypass", rejection=("seq_mean_k1",)),
@@ -385,7 +429,9 @@ IDENTITY_CONFIGS = [
 
 
 @pytest.mark.parametrize(
-    "cfg", IDENTITY_CONFIGS, ids=lambda c: f"{c.mode}-{c.weight}-{'+'.join(c.rejection)}-bn{int(c.batch_normalize)}"
+    "cfg",
+    IDENTITY_CONFIGS,
+    ids=lambda c: f"{c.mode}-{c.weight}-{'+'.join(c.rejection)}-bn{int(c.batch_normalize)}",
 )
 def test_identical_logprobs_are_the_identity(cfg: CorrectionConfig, gen: torch.Generator) -> None:
     _, roll, mask = random_batch(gen)
@@ -415,7 +461,9 @@ def test_identical_logprobs_are_the_identity(cfg: CorrectionConfig, gen: torch.G
     # verl's per-sequence means run over all rows: the empty row 0 has weight 0, deviation 1
     assert not mask[0].any() and m["rollout_is_seq_max_deviation"] == 1.0
     rows = compute_correction(roll[1:].clone(), roll[1:], mask[1:], cfg).metrics
-    assert rows["rollout_is_seq_max_deviation"] == 0.0 and rows["rollout_is_seq_fraction_low"] == 0.0
+    assert (
+        rows["rollout_is_seq_max_deviation"] == 0.0 and rows["rollout_is_seq_fraction_low"] == 0.0
+    )
     for key in (
         "ppl_ratio",
         "rollout_is_eff_sample_size",
@@ -458,7 +506,9 @@ def test_metrics_hand_computed() -> None:
         "log_ppl_diff_min": -0.5 * ln(2),
         "rollout_probs_diff_max": 0.375,
         "rollout_probs_diff_mean": (0.25 + 0 + 0.375) / 3,
-        "rollout_probs_diff_std": math.sqrt(((0.25 - 0.625 / 3) ** 2 + (0.625 / 3) ** 2 + (0.375 - 0.625 / 3) ** 2) / 2),
+        "rollout_probs_diff_std": math.sqrt(
+            ((0.25 - 0.625 / 3) ** 2 + (0.625 / 3) ** 2 + (0.375 - 0.625 / 3) ** 2) / 2
+        ),
         "token_mult_prob_error": math.exp((ln(2) + ln(4)) / 3),
         "rollout_is_ratio_fraction_high": 0.0,  # rho = 2 is not > C = 2
         "rollout_is_ratio_fraction_low": 1 / 3,  # rho = 1/4 < 1/2
@@ -480,16 +530,27 @@ def test_metrics_zero_mismatch_hand_computed() -> None:
     """Identical logprobs, constant probability 1/e on every valid token, one padded row."""
     lp = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, float("nan"), 0.0]])
     mask = torch.tensor([[True, True, True], [True, False, False]])
-    m = compute_correction(lp, lp.nan_to_num(-7.0), mask, CorrectionConfig(weight="seq_tis")).metrics
+    m = compute_correction(
+        lp, lp.nan_to_num(-7.0), mask, CorrectionConfig(weight="seq_tis")
+    ).metrics
     for key in ("kl", "k3_kl", "chi2_token", "chi2_seq", "log_ppl_diff", "rollout_probs_diff_max"):
         assert m[key] == 0.0, key
-    for key in ("rollout_is_eff_sample_size", "ppl_ratio", "token_mult_prob_error", "rollout_is_seq_mean"):
+    for key in (
+        "rollout_is_eff_sample_size",
+        "ppl_ratio",
+        "token_mult_prob_error",
+        "rollout_is_seq_mean",
+    ):
         assert m[key] == 1.0, key
-    assert m["rollout_actor_probs_pearson_corr"] == 1.0  # constant and equal: no correlation coefficient, no mismatch
+    assert (
+        m["rollout_actor_probs_pearson_corr"] == 1.0
+    )  # constant and equal: no correlation coefficient, no mismatch
     _close(m["training_ppl"], math.e, "training_ppl", rel=1e-6)
     _close(m["rollout_log_ppl"], 1.0, "rollout_log_ppl", rel=1e-6)
     # constant trainer probabilities against varying rollout ones are uncorrelated, not perfectly correlated
-    other = mismatch_metrics(lp.nan_to_num(0.0), torch.tensor([[-1.0, -2.0, -3.0], [-1.0, 0.0, 0.0]]), mask)
+    other = mismatch_metrics(
+        lp.nan_to_num(0.0), torch.tensor([[-1.0, -2.0, -3.0], [-1.0, 0.0, 0.0]]), mask
+    )
     assert other["rollout_actor_probs_pearson_corr"] == 0.0
 
 
@@ -524,16 +585,22 @@ def test_mismatch_metrics_standalone_matches_reference(gen: torch.Generator) -> 
         _close(m[key], value, key)
 
 
-@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (3, 4)], ids=["empty-batch", "no-tokens", "all-padding"])
+@pytest.mark.parametrize(
+    "shape", [(0, 5), (3, 0), (3, 4)], ids=["empty-batch", "no-tokens", "all-padding"]
+)
 def test_empty_and_all_padding_give_no_nan(shape: tuple[int, int]) -> None:
     train = torch.full(shape, float("nan"))
     mask = torch.zeros(shape, dtype=torch.bool)
-    cfg = make_config(weight="seq_tis", batch_normalize=True, rejection=("token_k1", "seq_max_k2", "seq_mean_k1"))
+    cfg = make_config(
+        weight="seq_tis", batch_normalize=True, rejection=("token_k1", "seq_max_k2", "seq_mean_k1")
+    )
     corr = compute_correction(train, train, mask, cfg)
     assert corr.weights.shape == shape and corr.mask.shape == shape
     assert all(math.isfinite(v) for v in corr.metrics.values()), corr.metrics
     assert corr.metrics["kl"] == 0.0 and corr.metrics["rollout_is_eff_sample_size"] == 0.0
-    loss, stats = ppo_clip_loss(train.requires_grad_(), train, torch.zeros(shape[0]), mask, corr.weights)
+    loss, stats = ppo_clip_loss(
+        train.requires_grad_(), train, torch.zeros(shape[0]), mask, corr.weights
+    )
     loss.backward()
     assert loss.item() == 0.0 and all(math.isfinite(v) for v in stats.values())
 
@@ -558,7 +625,9 @@ def batches(draw):
     B, T = draw(st.integers(1, 4)), draw(st.integers(1, 7))
     flat = st.lists(st.floats(-30.0, 0.0, width=32), min_size=B * T, max_size=B * T)
     roll = torch.tensor(draw(flat)).view(B, T)
-    delta = torch.tensor(draw(st.lists(st.floats(-25.0, 25.0, width=32), min_size=B * T, max_size=B * T))).view(B, T)
+    delta = torch.tensor(
+        draw(st.lists(st.floats(-25.0, 25.0, width=32), min_size=B * T, max_size=B * T))
+    ).view(B, T)
     mask = torch.tensor(draw(st.lists(st.booleans(), min_size=B * T, max_size=B * T))).view(B, T)
     train = roll + delta
     return train.masked_fill(~mask, float("nan")), roll.masked_fill(~mask, -1.0), mask
@@ -622,10 +691,14 @@ def test_identity_property(batch, cfg: CorrectionConfig) -> None:
 def test_shape_mismatch_names_both_tensors_and_shapes() -> None:
     a, b = torch.zeros(2, 5), torch.zeros(2, 6)
     with pytest.raises(
-        ValueError, match=r"trainer_logprobs has shape \(2, 5\) but rollout_logprobs has shape \(2, 6\)"
+        ValueError,
+        match=r"trainer_logprobs has shape \(2, 5\) but rollout_logprobs has shape \(2, 6\)",
     ):
         compute_correction(a, b, torch.ones(2, 5))
-    with pytest.raises(ValueError, match=r"trainer_logprobs has shape \(2, 5\) but response_mask has shape \(2, 6\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"trainer_logprobs has shape \(2, 5\) but response_mask has shape \(2, 6\)",
+    ):
         mismatch_metrics(a, a, torch.ones(2, 6))
     with pytest.raises(ValueError, match=r"but old_logprobs has shape \(2, 6\)"):
         compute_correction(a, a, torch.ones(2, 5), old_logprobs=b)
@@ -639,7 +712,8 @@ def test_nan_on_valid_token_names_count_and_position() -> None:
     train[2, 0] = float("-inf")
     mask = torch.ones(3, 4)
     with pytest.raises(
-        ValueError, match=r"trainer_logprobs has 2 non-finite values .* first nan at \(batch 1, token 2\)"
+        ValueError,
+        match=r"trainer_logprobs has 2 non-finite values .* first nan at \(batch 1, token 2\)",
     ):
         compute_correction(train, torch.full((3, 4), -1.0), mask)
     with pytest.raises(ValueError, match=r"rollout_logprobs has 2 non-finite"):
@@ -650,7 +724,8 @@ def test_nan_on_valid_token_names_count_and_position() -> None:
 
 def test_bad_mask_values() -> None:
     with pytest.raises(
-        ValueError, match=r"response_mask must be bool or 0/1; it has 1 other values, first 2.0 at \(batch 0, token 1\)"
+        ValueError,
+        match=r"response_mask must be bool or 0/1; it has 1 other values, first 2.0 at \(batch 0, token 1\)",
     ):
         compute_correction(torch.zeros(1, 3), torch.zeros(1, 3), torch.tensor([[1.0, 2.0, 0.0]]))
 
@@ -666,13 +741,19 @@ def test_bad_mask_values() -> None:
         ({"weight": "token_mis", "band": (1.0, 1.0)}, r"lo < hi"),
         ({"weight": "seq_mis", "band": (1.2, 3.0)}, r"lo <= 1 <= hi"),
         ({"weight": "token_mis", "band": (0.5,)}, r"a pair \(lo, hi\)"),
-        ({"weight": "token_tis", "band": (0.5, 2.0)}, r"band=\(0.5, 2.0\) is invalid.*None unless weight"),
+        (
+            {"weight": "token_tis", "band": (0.5, 2.0)},
+            r"band=\(0.5, 2.0\) is invalid.*None unless weight",
+        ),
         ({"weight": "tis"}, r"weight='tis' is invalid; allowed: \('none', 'token_tis'"),
         ({"mode": "on_policy"}, r"mode='on_policy' is invalid; allowed: \('decoupled', 'bypass'\)"),
         ({"log_ratio_clamp": 0}, r"log_ratio_clamp=0 is invalid"),
         ({"batch_normalize": "yes"}, r"batch_normalize='yes' is invalid"),
         ({"weight": "none", "batch_normalize": True}, r"no weights to normalize"),
-        ({"mode": "bypass", "weight": "token_mis"}, r"weight='token_mis' is invalid.*bypass mode.*rejection"),
+        (
+            {"mode": "bypass", "weight": "token_mis"},
+            r"weight='token_mis' is invalid.*bypass mode.*rejection",
+        ),
         ({"mode": "bypass", "batch_normalize": True}, r"batch_normalize=True is invalid.*bypass"),
         ({"rejection": ("token_k4",)}, r"'token_k4' is not one"),
         ({"rejection": ("seq_max_k1",)}, r"'seq_max_k1' is not one"),
@@ -732,13 +813,20 @@ def test_from_string_and_from_dict() -> None:
         batch_normalize=True,
         cap=3.0,
     )
-    yaml_like = {"mode": "bypass", "weight": "seq_tis", "rejection": ["token_k1"], "rejection_thresholds": [[0.5, 2.0]]}
+    yaml_like = {
+        "mode": "bypass",
+        "weight": "seq_tis",
+        "rejection": ["token_k1"],
+        "rejection_thresholds": [[0.5, 2.0]],
+    }
     assert CorrectionConfig.from_dict(yaml_like) == CorrectionConfig(
         mode="bypass", weight="seq_tis", rejection=("token_k1",), rejection_thresholds=((0.5, 2.0),)
     )
     assert CorrectionConfig.from_dict({"rejection": None, "band": None}) == CorrectionConfig()
     assert hash(CorrectionConfig.from_dict(yaml_like))  # frozen and hashable after list -> tuple
-    with pytest.raises(ValueError, match=r"unknown CorrectionConfig keys \['tis_cap'\]; allowed: \["):
+    with pytest.raises(
+        ValueError, match=r"unknown CorrectionConfig keys \['tis_cap'\]; allowed: \["
+    ):
         CorrectionConfig.from_dict({"tis_cap": 2})
     with pytest.raises(ValueError, match=r"'cap' is not key=value"):
         CorrectionConfig.from_string("weight=token_tis cap")
@@ -750,7 +838,9 @@ def test_from_string_and_from_dict() -> None:
 # ppo_clip_loss
 
 
-def ref_ppo_loss(lp, old, adv, mask, w, clip_low, clip_high, dual_clip, aggregation, denom=None, max_length=None):
+def ref_ppo_loss(
+    lp, old, adv, mask, w, clip_low, clip_high, dual_clip, aggregation, denom=None, max_length=None
+):
     B, T = len(mask), len(mask[0])
     per_seq: list[list[float]] = []
     for i in range(B):
@@ -790,17 +880,50 @@ def test_ppo_clip_loss_matches_reference(
     adv = torch.randn((B, T) if per_token_adv else (B,), generator=gen) * 2
     w = torch.rand(B, T, generator=gen) * 2 * mask
     loss, stats = ppo_clip_loss(
-        lp, old, adv, mask, w, clip_low=0.2, clip_high=0.28, dual_clip=dual_clip, aggregation=aggregation, max_length=16
+        lp,
+        old,
+        adv,
+        mask,
+        w,
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip=dual_clip,
+        aggregation=aggregation,
+        max_length=16,
     )
-    args = (lp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), w.tolist(), 0.2, 0.28, dual_clip, aggregation)
+    args = (
+        lp.tolist(),
+        old.tolist(),
+        adv.tolist(),
+        mask.tolist(),
+        w.tolist(),
+        0.2,
+        0.28,
+        dual_clip,
+        aggregation,
+    )
     _close(loss.item(), ref_ppo_loss(*args, max_length=16), "loss", rel=1e-5, abs_=1e-6)
     assert stats["pg_clipfrac"] > 0 and (dual_clip is None or stats["pg_clipfrac_dual"] > 0)
     loss.backward()
     assert torch.isfinite(lp.grad).all() and (lp.grad[~mask] == 0).all()
     denom_loss, _ = ppo_clip_loss(
-        lp, old, adv, mask, w, dual_clip=dual_clip, aggregation=aggregation, loss_scale_denominator=40.0, max_length=16
+        lp,
+        old,
+        adv,
+        mask,
+        w,
+        dual_clip=dual_clip,
+        aggregation=aggregation,
+        loss_scale_denominator=40.0,
+        max_length=16,
     )
-    _close(denom_loss.item(), ref_ppo_loss(*args, denom=40.0, max_length=16), "denominator", rel=1e-5, abs_=1e-6)
+    _close(
+        denom_loss.item(),
+        ref_ppo_loss(*args, denom=40.0, max_length=16),
+        "denominator",
+        rel=1e-5,
+        abs_=1e-6,
+    )
 
 
 def test_ppo_clip_loss_stats_hand_computed() -> None:
@@ -815,7 +938,11 @@ def test_ppo_clip_loss_stats_hand_computed() -> None:
     loss, stats = ppo_clip_loss(lp, old, adv, mask, dual_clip=3.0)
     # per-token losses: -1.28 (clipped at 1.28), 0.8 (clipped at 0.8), 3.0 (dual clip), -1.0
     _close(loss.item(), (-1.28 + 0.8 + 3.0 - 1.0) / 4, "loss", rel=1e-6)
-    assert stats["pg_clipfrac"] == 0.5 and stats["pg_clipfrac_high"] == 0.25 and stats["pg_clipfrac_low"] == 0.25
+    assert (
+        stats["pg_clipfrac"] == 0.5
+        and stats["pg_clipfrac_high"] == 0.25
+        and stats["pg_clipfrac_low"] == 0.25
+    )
     assert stats["pg_clipfrac_dual"] == 0.25 and stats["is_weight_mean"] == 1.0
     _close(stats["ratio_mean"], (1.5 + 0.5 + 4.0 + 1.0) / 4, "ratio_mean", rel=1e-6)
     _close(stats["ratio_max"], 4.0, "ratio_max", rel=1e-6)
@@ -847,16 +974,22 @@ def test_ppo_clip_loss_weight_scales_gradient_and_ignores_padding_nan(gen: torch
 
 def test_ppo_clip_loss_bad_input() -> None:
     x = torch.zeros(2, 3)
-    with pytest.raises(ValueError, match=r"advantages has shape \(3,\) \(expected \[B\] or \[B, T\]\)"):
+    with pytest.raises(
+        ValueError, match=r"advantages has shape \(3,\) \(expected \[B\] or \[B, T\]\)"
+    ):
         ppo_clip_loss(x, x, torch.zeros(3), torch.ones(2, 3))
-    with pytest.raises(ValueError, match=r"logprobs has shape \(2, 3\) but is_weights has shape \(2, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"logprobs has shape \(2, 3\) but is_weights has shape \(2, 4\)"
+    ):
         ppo_clip_loss(x, x, torch.zeros(2), torch.ones(2, 3), torch.ones(2, 4))
     with pytest.raises(ValueError, match=r"aggregation='mean' is invalid; allowed: \('token_mean'"):
         ppo_clip_loss(x, x, torch.zeros(2), torch.ones(2, 3), aggregation="mean")
     with pytest.raises(ValueError, match=r"dual_clip=1.0 is invalid"):
         ppo_clip_loss(x, x, torch.zeros(2), torch.ones(2, 3), dual_clip=1.0)
     bad_adv = torch.tensor([0.0, float("nan")])
-    with pytest.raises(ValueError, match=r"advantages has 3 non-finite values .* \(batch 1, token 0\)"):
+    with pytest.raises(
+        ValueError, match=r"advantages has 3 non-finite values .* \(batch 1, token 0\)"
+    ):
         ppo_clip_loss(x, x, bad_adv, torch.ones(2, 3))
 
 
@@ -880,4 +1013,6 @@ def test_end_to_end_with_correction(gen: torch.Generator) -> None:
         "token_mean",
     )
     _close(loss.item(), expected, "loss", rel=1e-5, abs_=1e-6)
-    _close(stats["is_weight_mean"], corr.weights[corr.mask].mean().item(), "is_weight_mean", rel=1e-6)
+    _close(
+        stats["is_weight_mean"], corr.weights[corr.mask].mean().item(), "is_weight_mean", rel=1e-6
+    )

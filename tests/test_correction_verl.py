@@ -10,8 +10,8 @@ import statistics
 
 import pytest
 import torch
-import verl_reference as verl
 
+import verl_reference as verl
 from flashrl.correction import CorrectionConfig, compute_correction, mismatch_metrics, ppo_clip_loss
 from flashrl.rl.loss import AGGREGATIONS
 

@@ -14,15 +14,20 @@ from flashrl.vllm_backend.direct_load import check_incoming
 def test_non_finite_values_are_refused_with_a_count(value, dtype):
     tensor = torch.randn(6, 7).to(dtype)
     tensor[4, 2] = value
-    with pytest.raises(WeightError, match=r"layer\.w: refusing a tensor with 1 NaN/Inf value\(s\) of 42"):
+    with pytest.raises(
+        WeightError, match=r"layer\.w: refusing a tensor with 1 NaN/Inf value\(s\) of 42"
+    ):
         check_incoming(tensor, "layer.w")
 
 
-@pytest.mark.parametrize("bad, match", [
-    (torch.ones(3, dtype=torch.int32), "dtype torch.int32; weights must be floating point"),
-    (torch.empty(3, device="meta"), "meta device"),
-    ([1.0, 2.0], "expected a torch.Tensor, got list"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (torch.ones(3, dtype=torch.int32), "dtype torch.int32; weights must be floating point"),
+        (torch.empty(3, device="meta"), "meta device"),
+        ([1.0, 2.0], "expected a torch.Tensor, got list"),
+    ],
+)
 def test_wrong_kinds_of_tensor_are_refused(bad, match):
     with pytest.raises(WeightError, match=match):
         check_incoming(bad, "layer.w")

@@ -19,8 +19,15 @@ from flashrl.errors import CheckpointError, WeightError
 from flashrl.testing import FAMILIES, save_tiny_model
 from test_sampler import reference_processed_logprobs
 
-VARIANTS = [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {}), ("qwen2", {"tie_word_embeddings": False}),
-            ("qwen3", {"tie_word_embeddings": False}), ("llama", {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True})]
+VARIANTS = [
+    ("llama", {}),
+    ("qwen2", {}),
+    ("qwen3", {}),
+    ("mistral", {}),
+    ("qwen2", {"tie_word_embeddings": False}),
+    ("qwen3", {"tie_word_embeddings": False}),
+    ("llama", {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}),
+]
 ROPE_VARIANTS = [
     {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
     {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
@@ -42,8 +49,11 @@ def random_ids(length, gen, vocab=256):
     return torch.randint(3, vocab, (length,), generator=gen).tolist()
 
 
-@pytest.mark.parametrize("family,overrides", VARIANTS + [("qwen2", r) for r in ROPE_VARIANTS] + [("mistral", {"sliding_window": 8})],
-                         ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}" for k in v) or "default")
+@pytest.mark.parametrize(
+    "family,overrides",
+    VARIANTS + [("qwen2", r) for r in ROPE_VARIANTS] + [("mistral", {"sliding_window": 8})],
+    ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}" for k in v) or "default",
+)
 def test_logits_match_transformers(family, overrides, tiny_models, gen):
     path = tiny_models(family, **overrides)
     ids = torch.tensor([random_ids(40, gen)])
@@ -59,10 +69,18 @@ def test_greedy_generation_equals_transformers_generate(family, tiny_models, gen
     path = tiny_models(family)
     hf = hf_model(path)
     prompts = [random_ids(n, gen) for n in (3, 11, 7)]
-    outs = engine(path, max_batch=4).generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    outs = engine(path, max_batch=4).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    )
     for prompt, out in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert out.response_ids == ref[0, len(prompt):].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert out.response_ids == ref[0, len(prompt) :].tolist()
         assert out.finish_reason == "length" and len(out.logprobs) == 24
 
 
@@ -95,10 +113,16 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny_models, gen):
     a = engine(path, max_batch=9).generate(prompts, params)
     b = engine(path, max_batch=2).generate(prompts, params)  # different scheduling and batch sizes
     assert [r.response_ids for r in a] == [r.response_ids for r in b]
-    assert [(r.prompt_index, r.sample_index) for r in a] == [(i, j) for i in range(3) for j in range(3)]
-    c = engine(path).generate(prompts, SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, n=3, seed=8))
+    assert [(r.prompt_index, r.sample_index) for r in a] == [
+        (i, j) for i in range(3) for j in range(3)
+    ]
+    c = engine(path).generate(
+        prompts, SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, n=3, seed=8)
+    )
     assert [r.response_ids for r in a] != [r.response_ids for r in c]
-    assert len({tuple(r.response_ids) for r in a[:3]}) > 1, "the n samples of a prompt should differ"
+    assert len({tuple(r.response_ids) for r in a[:3]}) > 1, (
+        "the n samples of a prompt should differ"
+    )
 
 
 def test_seeded_tokens_follow_each_requests_uniform_stream(tiny_models, gen):
@@ -107,25 +131,36 @@ def test_seeded_tokens_follow_each_requests_uniform_stream(tiny_models, gen):
     from flashrl.engine.sampler import sample, stream_seed
 
     e = engine(tiny_models("qwen2"), max_batch=3)
-    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, n=2, seed=21, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.8, top_p=0.9, max_tokens=12, n=2, seed=21, ignore_eos=True
+    )
     for out in e.generate([random_ids(5, gen), random_ids(9, gen)], params):
         stream = torch.Generator().manual_seed(stream_seed(21, out.prompt_index, out.sample_index))
         uniforms = torch.rand(params.max_tokens, generator=stream, dtype=torch.float64)
         logits = e.cached_logits([out.prompt_ids], [out.response_ids])[0]
-        assert sample(logits, params, uniforms[: len(out.response_ids)]).tokens.tolist() == out.response_ids
+        assert (
+            sample(logits, params, uniforms[: len(out.response_ids)]).tokens.tolist()
+            == out.response_ids
+        )
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (10, 1.0), (0, 0.8), (10, 0.8)])
 def test_logprobs_equal_float64_recomputation(top_k, top_p, tiny_models, gen):
     path = tiny_models("qwen2")
     hf = hf_model(path)
-    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, max_tokens=25, n=2, seed=3, raw_logprobs=True)
+    params = SamplingParams(
+        temperature=0.7, top_k=top_k, top_p=top_p, max_tokens=25, n=2, seed=3, raw_logprobs=True
+    )
     for out in engine(path).generate([random_ids(6, gen), random_ids(12, gen)], params):
         ids = torch.tensor([out.prompt_ids + out.response_ids])
         with torch.no_grad():
             logits = hf(ids).logits[0, len(out.prompt_ids) - 1 : -1]
         targets = torch.tensor(out.response_ids)
-        ref = reference_processed_logprobs(logits, 0.7, top_k, top_p).gather(1, targets[:, None]).squeeze(1)
+        ref = (
+            reference_processed_logprobs(logits, 0.7, top_k, top_p)
+            .gather(1, targets[:, None])
+            .squeeze(1)
+        )
         assert torch.isfinite(ref).all(), "a token outside the truncated support was sampled"
         assert (torch.tensor(out.logprobs, dtype=torch.float64) - ref).abs().max() < 1e-4
         raw = torch.log_softmax(logits.double(), -1).gather(1, targets[:, None]).squeeze(1)
@@ -147,26 +182,38 @@ def test_token_frequencies_match_processed_distribution(tiny_models, gen):
     with torch.no_grad():
         logits = hf_model(path)(torch.tensor([prompt])).logits[0, -1:]
     probs = reference_processed_logprobs(logits, 0.7, 30, 0.9)[0].exp()
-    counts = torch.bincount(torch.tensor([o.response_ids[0] for o in outs]), minlength=probs.numel()).double()
+    counts = torch.bincount(
+        torch.tensor([o.response_ids[0] for o in outs]), minlength=probs.numel()
+    ).double()
     assert counts[probs == 0].sum() == 0, "sampled a token outside the support"
     support = probs > 0
     expected = probs[support] * len(outs)
     assert expected.min() > 1, "test design: every kept token should be expected at least once"
     stat = ((counts[support] - expected) ** 2 / expected).sum().item()
-    assert stat < chi2_critical(int(support.sum()) - 1), f"chi2 {stat:.1f} over {int(support.sum())} tokens"
+    assert stat < chi2_critical(int(support.sum()) - 1), (
+        f"chi2 {stat:.1f} over {int(support.sum())} tokens"
+    )
 
 
 def test_n_samples_share_one_prefill(tiny_models, gen):
     e = engine(tiny_models("llama"), max_batch=8)
-    e.generate([random_ids(10, gen), random_ids(10, gen)], SamplingParams(max_tokens=4, n=4, seed=0, ignore_eos=True))
+    e.generate(
+        [random_ids(10, gen), random_ids(10, gen)],
+        SamplingParams(max_tokens=4, n=4, seed=0, ignore_eos=True),
+    )
     assert e.stats()["prompt_tokens"] == 20  # two prompts prefilled once each, not eight times
 
 
 def test_stop_tokens_and_eos(tiny_models, gen):
     e = engine(tiny_models("qwen2"))
     prompt = random_ids(4, gen)
-    first = e.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].response_ids
-    stop = e.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[first[3]], ignore_eos=True))[0]
+    first = e.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[
+        0
+    ].response_ids
+    stop = e.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[first[3]], ignore_eos=True),
+    )[0]
     assert stop.finish_reason == "stop" and stop.response_ids == first[: first.index(first[3]) + 1]
     e.eos_token_ids = (first[2],)
     eos = e.generate([prompt], SamplingParams(temperature=0, max_tokens=10))[0]
@@ -175,7 +222,9 @@ def test_stop_tokens_and_eos(tiny_models, gen):
 
 def test_response_capped_by_max_len(tiny_models, gen):
     e = engine(tiny_models("qwen2"), max_len=16)
-    out = e.generate([random_ids(10, gen)], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    out = e.generate(
+        [random_ids(10, gen)], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    )[0]
     assert len(out.response_ids) == 6 and out.finish_reason == "length"
 
 
@@ -187,8 +236,12 @@ SCHEMES = ["bf16", "int8", "fp8", "fp8_channel", "fp8_block"]
 def perturbed_state(path, gen, scale=0.05):
     hf = hf_model(path)
     state = {k: v.clone() for k, v in hf.state_dict().items()}
-    for name, tensor in state.items():
-        tensor.add_(torch.randn(tensor.shape, generator=gen) * scale * (tensor.std() if tensor.numel() > 1 else 1))
+    for tensor in state.values():
+        tensor.add_(
+            torch.randn(tensor.shape, generator=gen)
+            * scale
+            * (tensor.std() if tensor.numel() > 1 else 1)
+        )
     return hf, state
 
 
@@ -199,7 +252,9 @@ def save_state(hf, state, path):
 
 
 def pointers(e: Engine) -> dict[str, int]:
-    return {n: t.data_ptr() for n, t in list(e.model.named_buffers()) + list(e.model.named_parameters())}
+    return {
+        n: t.data_ptr() for n, t in list(e.model.named_buffers()) + list(e.model.named_parameters())
+    }
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -210,7 +265,9 @@ def test_update_weights_equals_fresh_engine(scheme, tiny_models, tmp_path, gen):
     e = engine(base, quant=scheme)
     before = pointers(e)
     ids = random_ids(20, gen)
-    timing = e.update_weights(((k, v) for k, v in reversed(list(state.items()))), count_changed=True)
+    timing = e.update_weights(
+        ((k, v) for k, v in reversed(list(state.items()))), count_changed=True
+    )
     assert pointers(e) == before, "storage moved during update_weights"
     assert torch.equal(e.logits(ids), engine(perturbed, quant=scheme).logits(ids))
     assert timing["requant_s"] >= 0 and timing["tensors"] == len(state)
@@ -224,14 +281,29 @@ def test_partial_and_split_qkv_updates(scheme, tiny_models, tmp_path, gen):
     hf, state = perturbed_state(base, gen)
     original = {k: v.clone() for k, v in hf_model(base).state_dict().items()}
     layer0 = "model.layers.0.self_attn."
-    changed = {k: state[k] for k in (layer0 + "q_proj.weight", layer0 + "k_proj.weight", layer0 + "v_proj.weight", layer0 + "k_proj.bias",
-                                     "model.layers.1.mlp.up_proj.weight")}
+    changed = {
+        k: state[k]
+        for k in (
+            layer0 + "q_proj.weight",
+            layer0 + "k_proj.weight",
+            layer0 + "v_proj.weight",
+            layer0 + "k_proj.bias",
+            "model.layers.1.mlp.up_proj.weight",
+        )
+    }
     expected = save_state(hf, {**original, **changed}, tmp_path / "expected")
     e = engine(base, quant=scheme)
     for name in (layer0 + "v_proj.weight", layer0 + "q_proj.weight"):  # q, k, v in separate calls
         e.update_weights([(name, changed[name])])
-    e.update_weights({layer0 + "k_proj.weight": changed[layer0 + "k_proj.weight"], layer0 + "k_proj.bias": changed[layer0 + "k_proj.bias"]})
-    e.update_weights([("model.layers.1.mlp.up_proj.weight", changed["model.layers.1.mlp.up_proj.weight"])])
+    e.update_weights(
+        {
+            layer0 + "k_proj.weight": changed[layer0 + "k_proj.weight"],
+            layer0 + "k_proj.bias": changed[layer0 + "k_proj.bias"],
+        }
+    )
+    e.update_weights(
+        [("model.layers.1.mlp.up_proj.weight", changed["model.layers.1.mlp.up_proj.weight"])]
+    )
     ids = random_ids(20, gen)
     assert torch.equal(e.logits(ids), engine(expected, quant=scheme).logits(ids))
 
@@ -241,10 +313,14 @@ def test_tied_embedding_update_reaches_the_head(tiny_models, gen):
     e = engine(path)
     new = torch.randn(256, 64, generator=gen) * 0.02
     e.update_weights([("model.embed_tokens.weight", new)])
-    assert torch.equal(e.model.lm_head.weight, new) and torch.equal(e.model.embed_tokens.weight, new)
+    assert torch.equal(e.model.lm_head.weight, new) and torch.equal(
+        e.model.embed_tokens.weight, new
+    )
     e32 = engine(path, dtype="bf16", lm_head_fp32=True)
     e32.update_weights([("model.embed_tokens.weight", new)])
-    assert e32.model.lm_head.weight.dtype == torch.float32 and torch.equal(e32.model.lm_head.weight, new)
+    assert e32.model.lm_head.weight.dtype == torch.float32 and torch.equal(
+        e32.model.lm_head.weight, new
+    )
 
 
 def test_lm_head_fp32_reduces_logit_error(tiny_models, gen):
@@ -268,7 +344,9 @@ def test_bad_updates_leave_engine_unchanged(tiny_models, gen):
     with pytest.raises(ValueError, match=r"shape \(64, 127\); expected \(64, 128\)"):
         e.update_weights([good, ("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 127))])
     with pytest.raises(WeightError, match="dtype torch.int8; allowed: float32"):
-        e.update_weights([("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 128, dtype=torch.int8))])
+        e.update_weights(
+            [("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 128, dtype=torch.int8))]
+        )
     assert torch.equal(e.logits(ids), before)
 
 
@@ -282,7 +360,9 @@ def test_bad_model_dirs(tmp_path, tiny_models):
         Engine(tmp_path)
     gpt2 = tmp_path / "gpt2"
     transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64).save_pretrained(gpt2)
-    with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2'; supported: LlamaForCausalLM"):
+    with pytest.raises(
+        ValueError, match=r"unsupported architecture 'gpt2'; supported: LlamaForCausalLM"
+    ):
         Engine(gpt2)
     empty = tmp_path / "no-weights"
     empty.mkdir()
@@ -298,7 +378,9 @@ def test_missing_tensor_in_checkpoint(tmp_path, gen):
     tensors = load_file(path / "model.safetensors")
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): model.layers.1.mlp.down_proj.weight"):
+    with pytest.raises(
+        CheckpointError, match=r"missing 1 tensor\(s\): model.layers.1.mlp.down_proj.weight"
+    ):
         Engine(path)
 
 
@@ -352,7 +434,9 @@ def test_prefill_token_budget_validation(tiny_models):
             engine(tiny_models("qwen2"), max_prefill_tokens=bad)
 
 
-def test_progress_bar_reports_tokens_per_s_before_any_sequence_finishes(tiny_models, gen, monkeypatch, capsys):
+def test_progress_bar_reports_tokens_per_s_before_any_sequence_finishes(
+    tiny_models, gen, monkeypatch, capsys
+):
     """Fixed-length generations finish together at the end; the bar must still show tok_s while they run
     (the clock is faked: every perf_counter call advances 0.75 s, so the 2 s delay passes at once)."""
     import itertools
@@ -391,7 +475,9 @@ def test_attend_equals_float64_reference(heads, kv_heads, dtype, tol, gen):
     from flashrl.model.decoder import attend
 
     b, d, max_len, s = 5, 32, 40, 24
-    cache_k, cache_v = (torch.randn(b + 2, kv_heads, max_len, d, generator=gen).to(dtype) for _ in range(2))
+    cache_k, cache_v = (
+        torch.randn(b + 2, kv_heads, max_len, d, generator=gen).to(dtype) for _ in range(2)
+    )
     k, v = cache_k[:b, :, :s], cache_v[:b, :, :s]  # views, as KVCache.read returns them
     q = torch.randn(b, heads, 1, d, generator=gen).to(dtype)
     positions = torch.tensor([[23], [0], [10], [17], [5]])
@@ -402,7 +488,9 @@ def test_attend_equals_float64_reference(heads, kv_heads, dtype, tol, gen):
         assert (got.double() - reference_attention(q, k, v, mask)).abs().max() < tol
     prompt_q = torch.randn(2, heads, 9, d, generator=gen).to(dtype)
     got = attend(prompt_q, k[:2, :, :9], v[:2, :, :9], None, d**-0.5)
-    assert (got.double() - reference_attention(prompt_q, k[:2, :, :9], v[:2, :, :9], None)).abs().max() < tol
+    assert (
+        got.double() - reference_attention(prompt_q, k[:2, :, :9], v[:2, :, :9], None)
+    ).abs().max() < tol
 
 
 @pytest.mark.gpu

@@ -37,7 +37,9 @@ from flashrl.model.batch import ForwardBatch
 HAS_CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 # inductor imports a deprecated torch.jit API on its first compile; not ours to fix
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
+)
 
 
 def engine(path, **kwargs):
@@ -53,7 +55,10 @@ def random_ids(length, gen, vocab=256):
 
 
 def max_logprob_diff(a, b) -> float:
-    return max(max((abs(x - y) for x, y in zip(ra.logprobs, rb.logprobs)), default=0.0) for ra, rb in zip(a, b))
+    return max(
+        max((abs(x - y) for x, y in zip(ra.logprobs, rb.logprobs)), default=0.0)
+        for ra, rb in zip(a, b)
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -62,12 +67,16 @@ def max_logprob_diff(a, b) -> float:
 
 
 def test_bucket_rules():
-    assert [batch_bucket(b, 256) for b in (1, 2, 3, 5, 8, 9, 12, 13, 17, 25, 33, 49, 65, 100, 129, 200, 256)] == \
-        [1, 2, 4, 8, 8, 12, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 256]
+    assert [
+        batch_bucket(b, 256)
+        for b in (1, 2, 3, 5, 8, 9, 12, 13, 17, 25, 33, 49, 65, 100, 129, 200, 256)
+    ] == [1, 2, 4, 8, 8, 12, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 256]
     assert batch_buckets(64) == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
     assert batch_buckets(20) == [1, 2, 4, 8, 12, 16, 20]  # capped at max_batch
     for b in range(9, 257):  # at most a third of the rows are padding above 8
-        assert b <= batch_bucket(b, 256) and (batch_bucket(b, 256) - b) / batch_bucket(b, 256) <= 1 / 3
+        assert (
+            b <= batch_bucket(b, 256) and (batch_bucket(b, 256) - b) / batch_bucket(b, 256) <= 1 / 3
+        )
     assert [kv_bucket(n, 4096) for n in (1, 256, 257, 4000)] == [256, 256, 512, 4096]
     assert kv_bucket(257, 300) == 300
     with pytest.raises(ValueError, match=r"batch=5 must be in \[1, max_batch=4\]"):
@@ -84,9 +93,21 @@ CASES = {  # id: scheme, family, KV cache options
     "bf16": ("bf16", "qwen2", {}),
     "int8-fp8kv": ("int8", "qwen3", {"kv_cache_dtype": "fp8", "kv_scale": 0.02}),
     "fp8": ("fp8", "qwen2", {}),
-    "fp8-fp8kv-clipping": ("fp8", "qwen2", {"kv_cache_dtype": "fp8", "kv_scale": 1e-3}),  # counters are compared
-    "fp8_channel-fp8kv-dynamic": ("fp8_channel", "qwen2", {"kv_cache_dtype": "fp8", "kv_scale": "dynamic"}),
-    "fp8_block-fp8kv-calibrated-sliding": ("fp8_block", "mistral", {"kv_cache_dtype": "fp8", "kv_scale": "calibrated"}),
+    "fp8-fp8kv-clipping": (
+        "fp8",
+        "qwen2",
+        {"kv_cache_dtype": "fp8", "kv_scale": 1e-3},
+    ),  # counters are compared
+    "fp8_channel-fp8kv-dynamic": (
+        "fp8_channel",
+        "qwen2",
+        {"kv_cache_dtype": "fp8", "kv_scale": "dynamic"},
+    ),
+    "fp8_block-fp8kv-calibrated-sliding": (
+        "fp8_block",
+        "mistral",
+        {"kv_cache_dtype": "fp8", "kv_scale": "calibrated"},
+    ),
 }
 
 
@@ -96,9 +117,18 @@ def generate_both(path, scheme, kv, gen):
     prompts = [random_ids(n, gen) for n in (2, 13, 6, 9, 21)]
     runs = [
         SamplingParams(temperature=0, max_tokens=14, stop_token_ids=list(range(3, 30))),
-        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=14, n=2, seed=7, stop_token_ids=list(range(3, 30))),
+        SamplingParams(
+            temperature=0.9,
+            top_p=0.95,
+            max_tokens=14,
+            n=2,
+            seed=7,
+            stop_token_ids=list(range(3, 30)),
+        ),
     ]
-    engines = [engine(path, quant=scheme, max_batch=6, decode_buckets=b, **kv) for b in (False, True)]
+    engines = [
+        engine(path, quant=scheme, max_batch=6, decode_buckets=b, **kv) for b in (False, True)
+    ]
     outs = [[o for p in runs for o in e.generate(prompts, p)] for e in engines]
     return engines, outs
 
@@ -118,9 +148,16 @@ def test_padding_rows_change_nothing(scheme, family, kv, tiny_models, gen, monke
     assert [r.response_ids for r in a] == [r.response_ids for r in b]
     assert [r.finish_reason for r in a] == [r.finish_reason for r in b]
     assert max_logprob_diff(a, b) < 1e-5
-    assert len({len(r.response_ids) for r in a}) > 2, "test design: sequences should finish at different steps"
-    batches, buckets = {bb for bb, _ in plain.decode.shapes}, {bb for bb, _ in bucketed.decode.shapes}
-    assert buckets <= {1, 2, 4, 6} and buckets != batches, "test design: some steps should be padded"
+    assert len({len(r.response_ids) for r in a}) > 2, (
+        "test design: sequences should finish at different steps"
+    )
+    batches, buckets = (
+        {bb for bb, _ in plain.decode.shapes},
+        {bb for bb, _ in bucketed.decode.shapes},
+    )
+    assert buckets <= {1, 2, 4, 6} and buckets != batches, (
+        "test design: some steps should be padded"
+    )
     sa, sb = plain.stats(), bucketed.stats()
     for key in ("generated_tokens", "decode_steps", "prompt_tokens", "sequences"):
         assert sa[key] == sb[key], key
@@ -149,7 +186,9 @@ def test_padded_attention_length_changes_only_rounding(scheme, family, kv, tiny_
     logits for int8 weights with an fp8 KV cache, <= 4e-7 otherwise)."""
     overrides = {"sliding_window": 8} if family == "mistral" else {}
     path = tiny_models(family, **overrides)
-    plain, bucketed = (engine(path, quant=scheme, max_batch=6, decode_buckets=b, **kv) for b in (False, True))
+    plain, bucketed = (
+        engine(path, quant=scheme, max_batch=6, decode_buckets=b, **kv) for b in (False, True)
+    )
     prompts = [random_ids(n, gen) for n in (2, 13, 6, 9, 21)]
     responses = [random_ids(20, gen) for _ in prompts]
     if kv.get("kv_scale") == "calibrated":
@@ -157,7 +196,9 @@ def test_padded_attention_length_changes_only_rounding(scheme, family, kv, tiny_
             e.calibrate_kv(prompts)
     a, b = decode_trace(plain, prompts, responses), decode_trace(bucketed, prompts, responses)
     assert (a - b).abs().max() < (1e-5 if scheme == "bf16" and not kv else 1e-3)
-    assert plain.decode.shapes == {(5, 21 + t + 1) for t in range(20)}  # the longest prompt has 21 tokens
+    assert plain.decode.shapes == {
+        (5, 21 + t + 1) for t in range(20)
+    }  # the longest prompt has 21 tokens
     assert bucketed.decode.shapes == {(6, 256)}
 
 
@@ -171,8 +212,15 @@ def test_bucketed_generate_equals_unbucketed(tiny_models, gen):
     assert len(plain.decode.shapes) > 3 * len(bucketed.decode.shapes)
 
 
-@pytest.mark.parametrize("kv", [{}, {"kv_cache_dtype": "fp8", "kv_scale": 1e-3}, {"kv_cache_dtype": "fp8", "kv_scale": "dynamic"}],
-                         ids=["bf16kv", "fp8kv-static", "fp8kv-dynamic"])
+@pytest.mark.parametrize(
+    "kv",
+    [
+        {},
+        {"kv_cache_dtype": "fp8", "kv_scale": 1e-3},
+        {"kv_cache_dtype": "fp8", "kv_scale": "dynamic"},
+    ],
+    ids=["bf16kv", "fp8kv-static", "fp8kv-dynamic"],
+)
 def test_padding_rows_write_only_position_zero_of_free_slots(kv, tiny_models, gen):
     """One decode step of 3 sequences padded to 4 rows, on a cache full of stale data: live slots get
     exactly their new token, the free padding slot only its position 0, other slots nothing; scales
@@ -193,14 +241,24 @@ def test_padding_rows_write_only_position_zero_of_free_slots(kv, tiny_models, ge
     pad = torch.zeros(8, 40, dtype=torch.bool)
     pad[3, 0] = True  # batch 3 -> bucket 4: one padding row, slot 3
     for old, x, y in zip(cache._per_slot(), unpadded._per_slot(), padded._per_slot()):
-        old, x, y = old.float().transpose(1, 2), x.float().transpose(1, 2), y.float().transpose(1, 2)  # [slots, len, ...]
-        assert torch.equal(y[~(new | pad)], old[~(new | pad)]), "a padding row wrote outside its free slot's position 0"
+        old, x, y = (
+            old.float().transpose(1, 2),
+            x.float().transpose(1, 2),
+            y.float().transpose(1, 2),
+        )  # [slots, len, ...]
+        assert torch.equal(y[~(new | pad)], old[~(new | pad)]), (
+            "a padding row wrote outside its free slot's position 0"
+        )
         assert torch.equal(x[~new], old[~new])
-        assert (y[new] - x[new]).abs().max() <= 0.07 * x[new].abs().max()  # fp32 rounding; an fp8 code may flip
+        assert (y[new] - x[new]).abs().max() <= 0.07 * x[
+            new
+        ].abs().max()  # fp32 rounding; an fp8 code may flip
     assert unpadded.written.item() == padded.written.item()
     assert unpadded.clipped.item() == padded.clipped.item()
     if cache.k_scale is not None:
-        assert torch.equal(padded.k_scale, cache.k_scale) and torch.equal(padded.v_scale, cache.v_scale)
+        assert torch.equal(padded.k_scale, cache.k_scale) and torch.equal(
+            padded.v_scale, cache.v_scale
+        )
         assert padded.clipped.item() > 0, "test design: the tiny scale should clip"
 
 
@@ -211,13 +269,21 @@ def test_padding_rows_write_only_position_zero_of_free_slots(kv, tiny_models, ge
 
 def test_compile_options_are_checked(tiny_models):
     path = tiny_models("qwen2")
-    with pytest.raises(ValueError, match=r"decode_compile='fast' is invalid; allowed: None \(eager\), default, reduce-overhead"):
+    with pytest.raises(
+        ValueError,
+        match=r"decode_compile='fast' is invalid; allowed: None \(eager\), default, reduce-overhead",
+    ):
         engine(path, decode_compile="fast")
-    with pytest.raises(ValueError, match="'reduce-overhead' captures CUDA graphs and needs a CUDA device; .* runs on cpu"):
+    with pytest.raises(
+        ValueError,
+        match="'reduce-overhead' captures CUDA graphs and needs a CUDA device; .* runs on cpu",
+    ):
         engine(path, decode_compile="reduce-overhead")
     with pytest.raises(ValueError, match="compiled decode step needs buckets"):
         engine(path, decode_compile="default", decode_buckets=False)
-    assert engine(path).decode.buckets is False and engine(path).decode.mode is None  # the eager default
+    assert (
+        engine(path).decode.buckets is False and engine(path).decode.mode is None
+    )  # the eager default
     assert engine(path, decode_compile="default").decode.buckets is True
 
 
@@ -225,7 +291,10 @@ def test_bench_compile_modes():
     from flashrl.tools.bench import parse_compile_modes
 
     assert parse_compile_modes("none, default,none") == [None, "default"]
-    with pytest.raises(ValueError, match="--compile 'fast' is invalid; allowed: a comma-separated list of none, default"):
+    with pytest.raises(
+        ValueError,
+        match="--compile 'fast' is invalid; allowed: a comma-separated list of none, default",
+    ):
         parse_compile_modes("fast")
 
 
@@ -253,7 +322,10 @@ def test_compiled_decode_equals_eager_and_sees_in_place_updates(tiny_models, gen
     bits, which can flip an fp8 code (stale weights or scales move the logits by > 1e-2)."""
     path = tiny_models("qwen2", tie_word_embeddings=False)
     kw = dict(quant="fp8", kv_cache_dtype="fp8", kv_scale="calibrated", max_batch=4, max_len=64)
-    eager, compiled = engine(path, decode_buckets=True, **kw), engine(path, decode_compile="default", **kw)
+    eager, compiled = (
+        engine(path, decode_buckets=True, **kw),
+        engine(path, decode_compile="default", **kw),
+    )
     prompts = [random_ids(n, gen) for n in (3, 9, 5)]
     responses = [random_ids(10, gen) for _ in prompts]
 
@@ -295,14 +367,20 @@ def test_compiled_generate_across_buckets(tiny_models, gen):
     kw = dict(quant="int8", kv_cache_dtype="fp8", kv_scale="dynamic", max_batch=12, max_len=300)
     eager, compiled = engine(path, **kw), engine(path, decode_compile="default", **kw)
     prompts = [random_ids(n, gen) for n in (250, 13, 6, 9, 21, 4, 30)]
-    params = SamplingParams(temperature=0.9, max_tokens=14, n=2, seed=5, stop_token_ids=list(range(3, 40)))
+    params = SamplingParams(
+        temperature=0.9, max_tokens=14, n=2, seed=5, stop_token_ids=list(range(3, 40))
+    )
     graphs = counters["stats"]["unique_graphs"]
     outs = compiled.generate(prompts, params)
-    assert len({len(r.response_ids) for r in outs}) > 3, "test design: sequences should finish at different steps"
+    assert len({len(r.response_ids) for r in outs}) > 3, (
+        "test design: sequences should finish at different steps"
+    )
     for r in outs:
         scored = eager.score(r.prompt_ids, r.response_ids, temperature=0.9)
         assert max(abs(x - y) for x, y in zip(r.logprobs, scored)) < 1e-3
-    assert {kv for _, kv in compiled.decode.shapes} == {256, 300} and len(compiled.decode.shapes) >= 6
+    assert {kv for _, kv in compiled.decode.shapes} == {256, 300} and len(
+        compiled.decode.shapes
+    ) >= 6
     assert counters["stats"]["unique_graphs"] - graphs <= 6
 
 
@@ -322,9 +400,17 @@ def decode_trace(e: Engine, prompts: list[list[int]], responses: list[list[int]]
         ids[row, : len(p)] = torch.tensor(p)
     positions = torch.arange(width, device=dev).expand(n, width)
     with torch.no_grad():
-        e.model.hidden_states(ids.to(dev), ForwardBatch(positions=positions, cache=cache, slots=torch.arange(n, device=dev)))
-        steps = [e.decode(cache, [r[t] for r in responses], [len(p) + t for p in prompts]).float().cpu().clone()
-                 for t in range(len(responses[0]))]
+        e.model.hidden_states(
+            ids.to(dev),
+            ForwardBatch(positions=positions, cache=cache, slots=torch.arange(n, device=dev)),
+        )
+        steps = [
+            e.decode(cache, [r[t] for r in responses], [len(p) + t for p in prompts])
+            .float()
+            .cpu()
+            .clone()
+            for t in range(len(responses[0]))
+        ]
     return torch.stack(steps)
 
 
@@ -334,7 +420,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def gpu_engines(path, modes, **kw):
     kw = dict(dtype="bf16", device="cuda", max_batch=8, max_len=96, **kw)
-    return [engine(path, decode_buckets=True, **kw) if m is None else engine(path, decode_compile=m, **kw) for m in modes]
+    return [
+        engine(path, decode_buckets=True, **kw)
+        if m is None
+        else engine(path, decode_compile=m, **kw)
+        for m in modes
+    ]
 
 
 @pytest.mark.gpu
@@ -348,7 +439,9 @@ def test_cuda_graph_decode_equals_eager(scheme, tiny_models, gen):
     responses = [random_ids(20, gen) for _ in prompts]
     ref, c, g = (decode_trace(e, prompts, responses) for e in (eager, compiled, graphs))
     assert rel(c, ref) < 2e-2 and rel(g, ref) < 2e-2
-    assert torch.equal(g, c), "a CUDA-graph replay should compute exactly what the compiled step computes"
+    assert torch.equal(g, c), (
+        "a CUDA-graph replay should compute exactly what the compiled step computes"
+    )
     assert counters["inductor"]["cudagraph_skips"] == 0
 
 
@@ -358,15 +451,21 @@ def test_cuda_graph_generate_matches_eager_scoring(tiny_models, gen):
     """`generate` through CUDA graphs (fp32 engine, int8 weights, continuous batching over several
     batch buckets): every returned logprob is the eager engine's logprob of the sampled token."""
     path = tiny_models("qwen3")
-    eager, graphs = (engine(path, device="cuda", max_batch=8, max_len=96, quant="int8", **kw)
-                     for kw in ({}, {"decode_compile": "reduce-overhead"}))
+    eager, graphs = (
+        engine(path, device="cuda", max_batch=8, max_len=96, quant="int8", **kw)
+        for kw in ({}, {"decode_compile": "reduce-overhead"})
+    )
     prompts = [random_ids(n, gen) for n in (2, 13, 6, 9, 21)]
-    params = SamplingParams(temperature=0.9, max_tokens=24, n=2, seed=3, stop_token_ids=list(range(3, 20)))
+    params = SamplingParams(
+        temperature=0.9, max_tokens=24, n=2, seed=3, stop_token_ids=list(range(3, 20))
+    )
     outs = graphs.generate(prompts, params)
     for r in outs:
         scored = eager.score(r.prompt_ids, r.response_ids, temperature=0.9)
         assert max(abs(x - y) for x, y in zip(r.logprobs, scored)) < 1e-3
-    assert len({bb for bb, _ in graphs.decode.shapes}) > 1  # several batch buckets captured as the batch shrank
+    assert (
+        len({bb for bb, _ in graphs.decode.shapes}) > 1
+    )  # several batch buckets captured as the batch shrank
     assert counters["inductor"]["cudagraph_skips"] == 0
 
 
@@ -395,15 +494,21 @@ def test_cuda_graph_sees_weight_updates_between_replays(scheme, tiny_models, gen
 @pytest.mark.parametrize("kv_scale", [0.05, "dynamic"])
 def test_cuda_graph_sees_fp8_kv_scale_updates(kv_scale, tiny_models, gen):
     path = tiny_models("qwen2", initializer_range=0.2)  # sharp: the KV rounding shows in the logits
-    eager, graphs = gpu_engines(path, [None, "reduce-overhead"], kv_cache_dtype="fp8", kv_scale=kv_scale)
+    eager, graphs = gpu_engines(
+        path, [None, "reduce-overhead"], kv_cache_dtype="fp8", kv_scale=kv_scale
+    )
     prompts = [random_ids(n, gen) for n in (4, 12, 7)]
     responses = [random_ids(12, gen) for _ in prompts]
     before = decode_trace(graphs, prompts, responses)
     assert rel(before, decode_trace(eager, prompts, responses)) < 2e-2
-    if kv_scale == "dynamic":  # per-token scales are written by the captured step itself: nothing to set
+    if (
+        kv_scale == "dynamic"
+    ):  # per-token scales are written by the captured step itself: nothing to set
         return
     for e in (eager, graphs):
-        e.cache.set_scales(torch.tensor(0.5), torch.tensor(0.5))  # coarse: visibly different rounding
+        e.cache.set_scales(
+            torch.tensor(0.5), torch.tensor(0.5)
+        )  # coarse: visibly different rounding
     after, ref = decode_trace(graphs, prompts, responses), decode_trace(eager, prompts, responses)
     assert rel(after, ref) < 2e-2
     assert rel(after, before) > 1e-2, "the replayed graph still uses the old KV scales"

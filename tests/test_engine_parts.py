@@ -79,8 +79,9 @@ def test_pad_right_and_forward_batch():
     assert plain.mask is None and plain.positions.tolist() == [[0, 1, 2]] * 2
     windowed = ForwardBatch.prefill(2, 3, "cpu", sliding_window=2)
     assert torch.equal(windowed.mask, attention_mask(plain.positions, 3, 2))
-    step = ForwardBatch.decode_step(torch.tensor([[2], [0]]), cache=None, kv_length=3,
-                                    sliding_window=None)
+    step = ForwardBatch.decode_step(
+        torch.tensor([[2], [0]]), cache=None, kv_length=3, sliding_window=None
+    )
     assert step.decode and step.mask[:, 0, 0].tolist() == [[True, True, True], [True, False, False]]
 
 
@@ -100,9 +101,12 @@ def test_kv_scale_state_lifecycle():
     assert state.record(scales(0.5), 0.25) == 0.25 and not state.stale
     assert torch.equal(state.initial()[0], torch.full((2, 1), 0.5))
     state.weights_changed()
-    assert state.stale and state.stats() == {"kv_calibrations": 1, "kv_calibration_s": 0.25,
-                                             "kv_calibration_last_s": 0.25,
-                                             "kv_calibration_tokens": 5}
+    assert state.stale and state.stats() == {
+        "kv_calibrations": 1,
+        "kv_calibration_s": 0.25,
+        "kv_calibration_last_s": 0.25,
+        "kv_calibration_tokens": 5,
+    }
     fixed = KVScaleState("fp8", 0.1, "layer")
     fixed.remember([[1]])
     fixed.weights_changed()
@@ -133,8 +137,9 @@ def test_sample_observer_sees_every_sampled_token(tiny_models):
     e = engine(tiny_models("qwen2"), max_batch=3)
     seen: list[SampledTokens] = []
     remove = e.add_sample_observer(seen.append)
-    params = SamplingParams(temperature=0.8, max_tokens=6, n=2, seed=3,
-                            stop_token_ids=list(range(3, 40)))
+    params = SamplingParams(
+        temperature=0.8, max_tokens=6, n=2, seed=3, stop_token_ids=list(range(3, 40))
+    )
     outs = e.generate([[5, 6, 7], [8, 9], [10]], params)
     by_request = {(o.prompt_index, o.sample_index): o for o in outs}
     count = 0

@@ -29,24 +29,33 @@ def snapshot(e: Engine) -> dict[str, torch.Tensor]:
 
 
 def pointers(e: Engine) -> dict[str, int]:
-    return {n: t.data_ptr() for n, t in list(e.model.named_buffers()) + list(e.model.named_parameters())}
+    return {
+        n: t.data_ptr() for n, t in list(e.model.named_buffers()) + list(e.model.named_parameters())
+    }
 
 
 def good_tensors(e: Engine, gen: torch.Generator) -> list[tuple[str, torch.Tensor]]:
     """Valid new values for a quantized shard, a whole layer, a norm, a bias and the embeddings:
     each would change the engine if it were applied."""
-    names = ["model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
-             "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.q_proj.bias",
-             "model.embed_tokens.weight"]
+    names = [
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.1.input_layernorm.weight",
+        "model.layers.1.self_attn.q_proj.bias",
+        "model.embed_tokens.weight",
+    ]
     out = []
     for name in (n for n in names if n in e.weights.expected):
         shape = e.weights.shape_of(name)
-        out.append((name, torch.randn(shape, generator=gen) * 0.05 + (1.0 if "norm" in name else 0.0)))
+        out.append(
+            (name, torch.randn(shape, generator=gen) * 0.05 + (1.0 if "norm" in name else 0.0))
+        )
     return out
 
 
 def bad_tensors(e: Engine) -> list[tuple[str, str, torch.Tensor]]:
     """(what is wrong, name, tensor): each must be refused with an error naming `name`."""
+
     def shape(name):
         return e.weights.shape_of(name)
 
@@ -56,9 +65,14 @@ def bad_tensors(e: Engine) -> list[tuple[str, str, torch.Tensor]]:
         return t
 
     cases = []
-    for target in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.gate_proj.weight",
-                   "model.layers.1.post_attention_layernorm.weight", "model.layers.1.self_attn.k_proj.bias",
-                   "model.embed_tokens.weight", "model.norm.weight"):
+    for target in (
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.1.post_attention_layernorm.weight",
+        "model.layers.1.self_attn.k_proj.bias",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+    ):
         cases.append(("NaN", target, poisoned(target, float("nan"))))
         cases.append(("Inf", target, poisoned(target, float("-inf"))))
     k = "model.layers.1.self_attn.k_proj.weight"
@@ -106,7 +120,9 @@ def test_bad_tensor_first_or_in_the_middle(scheme, tiny_models, gen):
     good = good_tensors(e, gen)
     nan = torch.full((32,), float("nan"))
     for position in (0, 2, len(good)):
-        items = good[:position] + [("model.layers.0.self_attn.k_norm.weight", nan)] + good[position:]
+        items = (
+            good[:position] + [("model.layers.0.self_attn.k_norm.weight", nan)] + good[position:]
+        )
         with pytest.raises(WeightError, match=r"model\.layers\.0\.self_attn\.k_norm\.weight.*NaN"):
             e.update_weights(iter(items))  # a one-pass iterator, as a trainer's named_parameters()
         assert all(torch.equal(before[n], t) for n, t in snapshot(e).items())
@@ -116,12 +132,20 @@ def test_error_messages_say_what_is_allowed(tiny_models):
     e = engine(tiny_models("qwen2"))
     k = "model.layers.0.self_attn.k_proj.weight"
     cases = [
-        ((k, torch.zeros(32, 64, dtype=torch.int32)), r"dtype torch\.int32.*float32, bfloat16, float16 or float64"),
+        (
+            (k, torch.zeros(32, 64, dtype=torch.int32)),
+            r"dtype torch\.int32.*float32, bfloat16, float16 or float64",
+        ),
         ((k, torch.empty(32, 64, device="meta")), r"meta device.*no data"),
         ((k, torch.zeros(32, 65)), r"shape \(32, 65\); expected \(32, 64\)"),
-        ((k, torch.full((32, 64), float("inf"))),
-         r"2048 non-finite value\(s\) \(NaN or Inf\), first at index \(0, 0\)"),
-        (("model.layers.0.self_attn.k_prj.weight", torch.zeros(32, 64)), r"unexpected tensor.*similar expected names"),
+        (
+            (k, torch.full((32, 64), float("inf"))),
+            r"2048 non-finite value\(s\) \(NaN or Inf\), first at index \(0, 0\)",
+        ),
+        (
+            ("model.layers.0.self_attn.k_prj.weight", torch.zeros(32, 64)),
+            r"unexpected tensor.*similar expected names",
+        ),
     ]
     for (name, tensor), message in cases:
         with pytest.raises(WeightError, match=message):

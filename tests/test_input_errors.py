@@ -17,13 +17,20 @@ def write_jsonl(path, rows):
     return path
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("d.json", "{oops", "d.json: not valid JSON"),
-    ("d.jsonl", b"\xff\xfe\n", "d.jsonl: not UTF-8 text"),
-    ("d.jsonl", '"just a string"\n', "row 1 is a str; expected an object"),
-    ("d.jsonl", '{"question": "q", "answer": "a"}\n{"question": "q2"}\n', r"row 2 has no field\(s\) 'answer'"),
-    ("d.parquet", "not parquet", "d.parquet: not a readable parquet file"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("d.json", "{oops", "d.json: not valid JSON"),
+        ("d.jsonl", b"\xff\xfe\n", "d.jsonl: not UTF-8 text"),
+        ("d.jsonl", '"just a string"\n', "row 1 is a str; expected an object"),
+        (
+            "d.jsonl",
+            '{"question": "q", "answer": "a"}\n{"question": "q2"}\n',
+            r"row 2 has no field\(s\) 'answer'",
+        ),
+        ("d.parquet", "not parquet", "d.parquet: not a readable parquet file"),
+    ],
+)
 def test_bad_dataset_files_are_input_errors(tmp_path, name, content, message):
     """Every bad dataset file is an InputError naming the file (the CLI prints it as one line)."""
     if name.endswith(".parquet"):
@@ -105,7 +112,10 @@ def test_profile_and_bench_input_files(tmp_path):
     with pytest.raises(InputError, match="p.txt: not UTF-8 text"):
         read_prompts_file(bad)
     config = tmp_path / "config.json"
-    for text, message in [("{oops", "not a JSON file"), ("[1]", "expected a Hugging Face config.json")]:
+    for text, message in [
+        ("{oops", "not a JSON file"),
+        ("[1]", "expected a Hugging Face config.json"),
+    ]:
         config.write_text(text)
         with pytest.raises(InputError, match=message):
             random_model_dir(str(config), tmp_path / "m")

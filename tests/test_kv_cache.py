@@ -33,6 +33,8 @@ import transformers
 
 from flashrl.engine import Engine, SamplingParams
 from flashrl.engine.kv_cache import KVCache
+from flashrl.errors import CheckpointError
+from flashrl.model.config import ModelConfig
 from flashrl.model.kv_calibration import (
     KV_MARGIN,
     RecentSequences,
@@ -43,8 +45,6 @@ from flashrl.model.kv_calibration import (
     rope_pair_amax,
     scales_from_amax,
 )
-from flashrl.model.config import ModelConfig
-from flashrl.errors import CheckpointError
 
 FP8 = torch.float8_e4m3fn
 
@@ -62,9 +62,15 @@ def sharp(tiny_models, family, **overrides):
 
 
 def rollouts(e, gen, n=8, prompt_len=(8, 24), max_tokens=40, seed=0):
-    prompts = [torch.randint(3, 256, (int(torch.randint(*prompt_len, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(n)]
-    outs = e.generate(prompts, SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, ignore_eos=True))
+    prompts = [
+        torch.randint(
+            3, 256, (int(torch.randint(*prompt_len, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        for _ in range(n)
+    ]
+    outs = e.generate(
+        prompts, SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+    )
     return [o.prompt_ids for o in outs], [o.response_ids for o in outs]
 
 
@@ -72,7 +78,11 @@ def fake_quant(x: torch.Tensor, scale: float | None) -> torch.Tensor:
     """The e4m3 round trip, restated independently in fp32: clamp(x / s, -448, 448) -> e4m3 -> * s,
     with s = `scale`, or per row amax / 448 when `scale` is None."""
     x = x.float()
-    s = x.abs().amax(-1, keepdim=True).clamp_min(1e-10) / 448 if scale is None else torch.tensor(scale)
+    s = (
+        x.abs().amax(-1, keepdim=True).clamp_min(1e-10) / 448
+        if scale is None
+        else torch.tensor(scale)
+    )
     return (x / s).clamp(-448, 448).to(FP8).float() * s
 
 
@@ -108,7 +118,9 @@ def recorded_kv_writes(e, monkeypatch, run):
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("kv_scale", [0.02, "dynamic"])
-def test_fp8_cache_equals_float64_fake_quant_reference(family, kv_scale, tiny_models, gen, monkeypatch):
+def test_fp8_cache_equals_float64_fake_quant_reference(
+    family, kv_scale, tiny_models, gen, monkeypatch
+):
     path = sharp(tiny_models, family)
     e = engine(path, kv_cache_dtype="fp8", kv_scale=kv_scale, max_batch=4)
     prompts, responses = rollouts(e, gen, n=3, max_tokens=20)
@@ -133,16 +145,22 @@ def test_fp8_cache_equals_float64_fake_quant_reference(family, kv_scale, tiny_mo
         rows = [writes.get((layer, slot, pos)) for pos in range(length)]
         known = torch.tensor([r is not None for r in rows])
         like = next(r for r in rows if r is not None)[which]
-        values = torch.stack([r[which] if r is not None else torch.zeros_like(like) for r in rows], dim=1)
+        values = torch.stack(
+            [r[which] if r is not None else torch.zeros_like(like) for r in rows], dim=1
+        )
         return values, known
 
     def substitute(x: torch.Tensor, which: int) -> torch.Tensor:
         """x [1, kv_heads, T, D] (transformers' K or V) -> the engine's values where it stored them."""
         values, known = engine_kv(current["layer"], x.shape[2], which)
-        assert (values[:, known] - x[0][:, known]).abs().max() < 1e-4, "engine K/V are transformers' up to rounding"
+        assert (values[:, known] - x[0][:, known]).abs().max() < 1e-4, (
+            "engine K/V are transformers' up to rounding"
+        )
         return torch.where(known[None, None, :, None], values[None], x)
 
-    def rope_then_quantize(q, k, cos, sin, *args, **kwargs):  # k: [B, kv_heads, T, D] after q/k norm
+    def rope_then_quantize(
+        q, k, cos, sin, *args, **kwargs
+    ):  # k: [B, kv_heads, T, D] after q/k norm
         q, k = rope(q, k, cos, sin, *args, **kwargs)
         return q, fake_quant(substitute(k, 0), scale).to(k.dtype)
 
@@ -152,7 +170,10 @@ def test_fp8_cache_equals_float64_fake_quant_reference(family, kv_scale, tiny_mo
 
     monkeypatch.setattr(module, "apply_rotary_pos_emb", rope_then_quantize)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    heads, dim = hf.config.num_key_value_heads, hf.config.hidden_size // hf.config.num_attention_heads
+    heads, dim = (
+        hf.config.num_key_value_heads,
+        hf.config.hidden_size // hf.config.num_attention_heads,
+    )
     dim = getattr(hf.config, "head_dim", None) or dim
     for i, layer in enumerate(hf.model.layers):
         layer.self_attn.register_forward_pre_hook(lambda m, args, i=i: current.update(layer=i))
@@ -173,7 +194,9 @@ def test_prefill_and_decode_agree_and_logprobs_are_exact(kv_scale, tiny_models, 
     e = engine(sharp(tiny_models, "qwen2"), kv_cache_dtype="fp8", kv_scale=kv_scale, max_batch=4)
     prompts, responses = rollouts(e, gen, n=2, max_tokens=16)
     whole = e.cached_logits(prompts, responses)
-    split = e.cached_logits([p + r[:6] for p, r in zip(prompts, responses)], [r[6:] for r in responses])
+    split = e.cached_logits(
+        [p + r[:6] for p, r in zip(prompts, responses)], [r[6:] for r in responses]
+    )
     for a, b in zip(whole, split):
         assert (a[6:] - b).abs().max() < 1e-4
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, n=2, seed=5, ignore_eos=True)
@@ -188,10 +211,14 @@ def test_batching_and_shared_prefill_with_fp8(kv_scale, tiny_models, gen):
     path = tiny_models("qwen3")
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (3, 12, 7)]
     params = SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True)
-    batched = engine(path, kv_cache_dtype="fp8", kv_scale=kv_scale, max_batch=6).generate(prompts, params)
+    batched = engine(path, kv_cache_dtype="fp8", kv_scale=kv_scale, max_batch=6).generate(
+        prompts, params
+    )
     single = engine(path, kv_cache_dtype="fp8", kv_scale=kv_scale, max_batch=1)
     for prompt in prompts:
-        alone = single.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+        alone = single.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        )[0]
         for out in (r for r in batched if r.prompt_ids == prompt):
             assert out.response_ids == alone.response_ids
             assert max(abs(a - b) for a, b in zip(out.logprobs, alone.logprobs)) < 1e-5
@@ -215,7 +242,9 @@ def test_cache_write_read_numerics():
     new = torch.randn(3, 2, 16, generator=gen)
     cache.write_decode(0, torch.tensor([5, 6, 7]), new, new)
     assert torch.equal(cache.read(0, 3, 8)[1][1, :, 6], fake_quant(new[1], 0.1))
-    token = KVCache(1, 2, 2, 8, 16, torch.float32, "cpu", kv_cache_dtype="fp8", scale_granularity="token")
+    token = KVCache(
+        1, 2, 2, 8, 16, torch.float32, "cpu", kv_cache_dtype="fp8", scale_granularity="token"
+    )
     stored, _ = token.write_prefill(0, torch.tensor([1]), k[:1], k[:1])
     assert torch.equal(stored, fake_quant(k[:1], None))
     assert torch.equal(token.read(0, 2, 5)[0][1], stored[0])
@@ -227,17 +256,27 @@ def test_cache_write_read_numerics():
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family,kv_scale,granularity,max_kl", [
-    ("qwen2", "calibrated", None, 0.05),
-    ("qwen2", "calibrated", "head", 0.05),
-    ("qwen2", "dynamic", None, 0.03),
-    ("qwen3", "calibrated", None, 0.01),
-    ("qwen3", "dynamic", None, 0.01),
-])
+@pytest.mark.parametrize(
+    "family,kv_scale,granularity,max_kl",
+    [
+        ("qwen2", "calibrated", None, 0.05),
+        ("qwen2", "calibrated", "head", 0.05),
+        ("qwen2", "dynamic", None, 0.03),
+        ("qwen3", "calibrated", None, 0.01),
+        ("qwen3", "dynamic", None, 0.01),
+    ],
+)
 def test_fp8_kv_close_to_unquantized_kv(family, kv_scale, granularity, max_kl, tiny_models, gen):
     path = sharp(tiny_models, family)
-    e = engine(path, dtype="bf16", kv_cache_dtype="fp8", kv_scale=kv_scale, kv_scale_granularity=granularity,
-               max_batch=8, max_len=128)
+    e = engine(
+        path,
+        dtype="bf16",
+        kv_cache_dtype="fp8",
+        kv_scale=kv_scale,
+        kv_scale_granularity=granularity,
+        max_batch=8,
+        max_len=128,
+    )
     rollouts(e, gen, n=8, max_tokens=40, seed=1)  # calibration set for the measurement below
     if kv_scale == "calibrated":
         e.calibrate_kv()
@@ -275,14 +314,22 @@ def scale_kv_projections(path, factor: float) -> dict[str, torch.Tensor]:
         if ".self_attn." not in name:
             continue
         leaf = name.split(".self_attn.")[1]
-        if leaf in (("k_norm.weight",) if qk_norm else ("k_proj.weight", "k_proj.bias")) or leaf.startswith("v_proj."):
+        if leaf in (
+            ("k_norm.weight",) if qk_norm else ("k_proj.weight", "k_proj.bias")
+        ) or leaf.startswith("v_proj."):
             tensor.mul_(factor)
-        elif leaf in (("q_norm.weight",) if qk_norm else ("q_proj.weight", "q_proj.bias")) or leaf == "o_proj.weight":
+        elif (
+            leaf in (("q_norm.weight",) if qk_norm else ("q_proj.weight", "q_proj.bias"))
+            or leaf == "o_proj.weight"
+        ):
             tensor.div_(factor)
     return state
 
 
-@pytest.mark.parametrize("family,quant", [("qwen2", "bf16"), ("qwen2", "int8"), ("qwen3", "bf16"), ("qwen3", "fp8_channel")])
+@pytest.mark.parametrize(
+    "family,quant",
+    [("qwen2", "bf16"), ("qwen2", "int8"), ("qwen3", "bf16"), ("qwen3", "fp8_channel")],
+)
 def test_recalibration_after_update_that_scales_kv(family, quant, tiny_models, gen):
     path = sharp(tiny_models, family)
     e = engine(path, quant=quant, dtype="bf16", kv_cache_dtype="fp8", max_batch=8, max_len=128)
@@ -298,11 +345,15 @@ def test_recalibration_after_update_that_scales_kv(family, quant, tiny_models, g
     assert e.cache.k_scale.data_ptr() == k_ptr, "scales must be updated in place"
     e.cache.clipped.zero_()
     after = e.cached_logits(*probe)
-    assert all(torch.equal(a, b) for a, b in zip(before, after)), "fresh scales: the fp8 engine is unchanged"
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), (
+        "fresh scales: the fp8 engine is unchanged"
+    )
     assert int(e.cache.clipped) == 0
     e.cache.set_scales(k0, v0)  # what a skipped recalibration would leave
     stale = e.cached_logits(*probe)
-    assert int(e.cache.clipped) > 0.05 * int(e.cache.written)  # values above amax_old / 8 (measured 9%)
+    assert int(e.cache.clipped) > 0.05 * int(
+        e.cache.written
+    )  # values above amax_old / 8 (measured 9%)
     assert max(float((a - b).abs().mean()) for a, b in zip(before, stale)) > 0.1
 
 
@@ -315,13 +366,23 @@ def test_calibration_schedule_and_stats(tiny_models, gen):
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     e.generate(prompts, SamplingParams(max_tokens=5, seed=0, ignore_eos=True))
     s = e.stats()
-    assert s["kv_calibrations"] == 1 and s["kv_calibration_tokens"] == 7  # first generate: its prompts
-    assert s["kv_calibration_s"] > 0 and s["kv_k_scale_mean"] > 0 and s["kv_v_scale_max"] >= s["kv_v_scale_mean"]
+    assert (
+        s["kv_calibrations"] == 1 and s["kv_calibration_tokens"] == 7
+    )  # first generate: its prompts
+    assert (
+        s["kv_calibration_s"] > 0
+        and s["kv_k_scale_mean"] > 0
+        and s["kv_v_scale_max"] >= s["kv_v_scale_mean"]
+    )
     timing = e.update_weights(update)
     s = e.stats()
     assert timing["kv_calibration_s"] == s["kv_calibration_last_s"] > 0
-    assert s["kv_calibrations"] == 2 and s["kv_calibration_tokens"] == 7 + 2 * 5  # prompts + responses
-    assert engine(path).update_weights(update)["kv_calibration_s"] == 0.0  # bf16 cache: key present, 0
+    assert (
+        s["kv_calibrations"] == 2 and s["kv_calibration_tokens"] == 7 + 2 * 5
+    )  # prompts + responses
+    assert (
+        engine(path).update_weights(update)["kv_calibration_s"] == 0.0
+    )  # bf16 cache: key present, 0
 
 
 def test_calibration_set_order_and_budget():
@@ -339,9 +400,18 @@ def test_rope_pair_amax_bounds_every_position():
     """The K statistic bounds the element amax of the same keys rotated to any position."""
     from flashrl.model.decoder import Rotary
 
-    config = ModelConfig.from_dict(dict(architectures=["Qwen2ForCausalLM"], vocab_size=8, hidden_size=64,
-                                        intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-                                        num_key_value_heads=1, rope_theta=10000.0))
+    config = ModelConfig.from_dict(
+        dict(
+            architectures=["Qwen2ForCausalLM"],
+            vocab_size=8,
+            hidden_size=64,
+            intermediate_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            rope_theta=10000.0,
+        )
+    )
     rotary = Rotary(config, 4096, torch.device("cpu"))
     k = torch.randn(1, 1, 1, 32, generator=torch.Generator().manual_seed(0)).expand(1, 1, 4096, 32)
     rotated = rotary(k, torch.arange(4096)[None])
@@ -349,12 +419,16 @@ def test_rope_pair_amax_bounds_every_position():
     assert rotated.abs().max() <= bound * (1 + 1e-6)
     assert rotated.abs().max() > 0.99 * bound  # and it is reached over many positions
     assert bound <= math.sqrt(2) * k.abs().max() * (1 + 1e-6)
-    assert torch.equal(scales_from_amax(torch.tensor([224.0])), torch.tensor([224.0 * KV_MARGIN / 448]))
+    assert torch.equal(
+        scales_from_amax(torch.tensor([224.0])), torch.tensor([224.0 * KV_MARGIN / 448])
+    )
     with pytest.raises(ValueError, match="margin=0.5 must be >= 1"):
         scales_from_amax(torch.tensor([1.0]), margin=0.5)
 
 
-@pytest.mark.parametrize("family,quant", [("qwen2", "bf16"), ("qwen3", "int8"), ("mistral", "bf16")])
+@pytest.mark.parametrize(
+    "family,quant", [("qwen2", "bf16"), ("qwen3", "int8"), ("mistral", "bf16")]
+)
 def test_layerwise_calibration_equals_model_calibration(family, quant, tiny_models, gen):
     """`calibrate_from_weights` (one layer at a time from named tensors: the vLLM backend's path)
     gives the statistics of a whole-model forward."""
@@ -363,13 +437,16 @@ def test_layerwise_calibration_equals_model_calibration(family, quant, tiny_mode
     seqs = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 30, 17)]
     whole = calibrate_model(e.model, seqs, include_q=True)
     config = ModelConfig.from_model_dir(path)
-    layered = calibrate_from_weights(checkpoint_getter(path), config, seqs, scheme=quant, dtype=torch.float32,
-                                     include_q=True)
+    layered = calibrate_from_weights(
+        checkpoint_getter(path), config, seqs, scheme=quant, dtype=torch.float32, include_q=True
+    )
     for a, b in [(whole.k, layered.k), (whole.v, layered.v), (whole.q, layered.q)]:
         assert torch.allclose(a, b, rtol=1e-6, atol=0)
     assert whole.tokens == layered.tokens == 52
     names = calibration_tensor_names(config)
-    assert names[0] == "model.embed_tokens.weight" and "model.layers.1.mlp.down_proj.weight" in names
+    assert (
+        names[0] == "model.embed_tokens.weight" and "model.layers.1.mlp.down_proj.weight" in names
+    )
     with pytest.raises(CheckpointError, match="no tensor 'model.layers.9.mlp.down_proj.weight'"):
         checkpoint_getter(path)("model.layers.9.mlp.down_proj.weight")
 
@@ -379,7 +456,9 @@ def test_layerwise_calibration_equals_model_calibration(family, quant, tiny_mode
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("granularity,scale_bytes", [("layer", 2 * 3 * 1 * 4), ("head", 2 * 3 * 4 * 4)])
+@pytest.mark.parametrize(
+    "granularity,scale_bytes", [("layer", 2 * 3 * 1 * 4), ("head", 2 * 3 * 4 * 4)]
+)
 def test_fp8_cache_is_half_of_bf16_plus_scales(granularity, scale_bytes):
     args = (3, 5, 4, 64, 32, torch.bfloat16, "cpu")
     bf16 = KVCache(*args)
@@ -387,13 +466,25 @@ def test_fp8_cache_is_half_of_bf16_plus_scales(granularity, scale_bytes):
     assert bf16.nbytes() == 2 * 3 * 5 * 4 * 64 * 32 * 2
     assert fp8.nbytes() == bf16.nbytes() // 2 + scale_bytes
     token = KVCache(*args, kv_cache_dtype="fp8", scale_granularity="token")
-    assert token.nbytes() == bf16.nbytes() // 2 + 2 * 3 * 5 * 4 * 64 * 4  # + one fp32 per token and head
-    per_token = {g: KVCache.bytes_per_token(3, 4, 32, torch.bfloat16, "fp8", g) for g in ("layer", "token")}
-    assert KVCache.bytes_per_token(3, 4, 32, torch.bfloat16) == 2 * per_token["layer"] == 2 * 3 * 4 * 32 * 2
+    assert (
+        token.nbytes() == bf16.nbytes() // 2 + 2 * 3 * 5 * 4 * 64 * 4
+    )  # + one fp32 per token and head
+    per_token = {
+        g: KVCache.bytes_per_token(3, 4, 32, torch.bfloat16, "fp8", g) for g in ("layer", "token")
+    }
+    assert (
+        KVCache.bytes_per_token(3, 4, 32, torch.bfloat16)
+        == 2 * per_token["layer"]
+        == 2 * 3 * 4 * 32 * 2
+    )
     assert per_token["token"] == 768 + 2 * 3 * 4 * 4
     budget = 1 << 20
     assert KVCache.capacity_tokens(budget, 3, 4, 32, torch.bfloat16) == budget // 1536 == 682
-    assert KVCache.capacity_tokens(budget, 3, 4, 32, torch.bfloat16, "fp8") == (budget - 24) // 768 == 1365
+    assert (
+        KVCache.capacity_tokens(budget, 3, 4, 32, torch.bfloat16, "fp8")
+        == (budget - 24) // 768
+        == 1365
+    )
 
 
 def test_kv_cache_memory_sizes_the_batch(tiny_models):
@@ -428,11 +519,15 @@ def test_bad_kv_options(tiny_models):
         engine(path, kv_scale="dynamic")
     with pytest.raises(ValueError, match=r"kv_scale_granularity apply to kv_cache_dtype='fp8'"):
         engine(path, kv_scale_granularity="head")
-    with pytest.raises(ValueError, match=r"kv_scale_granularity='token' is invalid; allowed: layer, head"):
+    with pytest.raises(
+        ValueError, match=r"kv_scale_granularity='token' is invalid; allowed: layer, head"
+    ):
         engine(path, kv_cache_dtype="fp8", kv_scale_granularity="token")
     with pytest.raises(ValueError, match=r"does not apply to kv_scale='dynamic'"):
         engine(path, kv_cache_dtype="fp8", kv_scale="dynamic", kv_scale_granularity="head")
-    with pytest.raises(ValueError, match=r"calibrate_kv needs kv_cache_dtype='fp8' with kv_scale='calibrated'"):
+    with pytest.raises(
+        ValueError, match=r"calibrate_kv needs kv_cache_dtype='fp8' with kv_scale='calibrated'"
+    ):
         engine(path, kv_cache_dtype="fp8", kv_scale=0.1).calibrate_kv([[1, 2, 3]])
     e = engine(path, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="no calibration sequences"):
@@ -440,9 +535,13 @@ def test_bad_kv_options(tiny_models):
     with pytest.raises(ValueError, match=r"outside the vocabulary"):
         e.calibrate_kv([[1, 999]])
     with pytest.raises(ValueError, match="set_scales needs an fp8 cache with layer or head scales"):
-        KVCache(1, 1, 1, 4, 8, torch.float32, "cpu").set_scales(torch.tensor(1.0), torch.tensor(1.0))
+        KVCache(1, 1, 1, 4, 8, torch.float32, "cpu").set_scales(
+            torch.tensor(1.0), torch.tensor(1.0)
+        )
     with pytest.raises(ValueError, match="k_scale must be finite and positive"):
-        KVCache(1, 1, 1, 4, 8, torch.float32, "cpu", "fp8").set_scales(torch.tensor(0.0), torch.tensor(1.0))
+        KVCache(1, 1, 1, 4, 8, torch.float32, "cpu", "fp8").set_scales(
+            torch.tensor(0.0), torch.tensor(1.0)
+        )
     with pytest.raises(ValueError, match="one response per prompt"):
         e.cached_logits([[1, 2]], [])
 
@@ -459,7 +558,10 @@ def test_engine_reads_kv_fields_from_the_rollout_config(tiny_models, tmp_path):
     assert e.cache.k[0].dtype == FP8 and e.cache.k_token_scale
     yaml = config.to_yaml(tmp_path / "flashrl.yaml")
     assert engine(path, quant=str(yaml), kv_scale="calibrated").kv_calibrated
-    assert engine(path, quant=str(yaml), kv_cache_dtype="bf16", kv_scale=None).config.kv_cache_dtype == "bf16"
+    assert (
+        engine(path, quant=str(yaml), kv_cache_dtype="bf16", kv_scale=None).config.kv_cache_dtype
+        == "bf16"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -471,8 +573,18 @@ def test_bench_reports_kv_rows_capacity_and_mismatch(tiny_models, tmp_path):
     from flashrl.tools.bench import BenchConfig, run_bench
 
     path = sharp(tiny_models, "qwen3")
-    cfg = BenchConfig(model=str(path), quant="bf16", kv_cache_dtype="bf16,fp8", batch=4, prompt_len=8, output_len=16,
-                      device="cpu", dtype="bf16", kv_budget_gib=1 / 1024, out=None)
+    cfg = BenchConfig(
+        model=str(path),
+        quant="bf16",
+        kv_cache_dtype="bf16,fp8",
+        batch=4,
+        prompt_len=8,
+        output_len=16,
+        device="cpu",
+        dtype="bf16",
+        kv_budget_gib=1 / 1024,
+        out=None,
+    )
     rows = run_bench(cfg).to_dict()["rows"]
     by_kv = {r["kv_cache_dtype"]: r for r in rows}
     assert set(by_kv) == {"bf16", "fp8"}

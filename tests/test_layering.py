@@ -26,10 +26,14 @@ LAYERS = {
     "config": 1,  # flashrl.config: re-exports of flashrl.core
     "quant": 2,
     "model": 3,
-    "engine": 4, "vllm_backend": 4,
+    "engine": 4,
+    "vllm_backend": 4,
     "correction": 5,
     "rl": 6,
-    "profile": 7, "verify": 7, "bench": 7, "tools": 7,
+    "profile": 7,
+    "verify": 7,
+    "bench": 7,
+    "tools": 7,
     "cli": 8,
 }
 UTILITIES = {"flashrl", "errors", "fileio", "utils", "testing", "masked", "calibration_prompts"}
@@ -62,7 +66,8 @@ def area(module: str) -> str:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _resolve(module: str, node: ast.ImportFrom | ast.Import) -> list[str]:
@@ -138,8 +143,9 @@ def test_allowed_violations_still_exist():
 
 
 def test_no_import_cycles_at_module_level():
-    graph = {m: sorted({t for t, top in imports(m) if top and t in MODULES and t != m})
-             for m in MODULES}
+    graph = {
+        m: sorted({t for t, top in imports(m) if top and t in MODULES and t != m}) for m in MODULES
+    }
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
@@ -148,7 +154,7 @@ def test_no_import_cycles_at_module_level():
         path.append(node)
         for nxt in graph[node]:
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := walk(nxt)):
                 return cycle
         path.pop()
@@ -160,27 +166,34 @@ def test_no_import_cycles_at_module_level():
             pytest.fail("import cycle: " + " -> ".join(cycle))
 
 
-@pytest.mark.parametrize("source, target, bad", [
-    ("flashrl.engine.engine", "flashrl.model.decoder", False),
-    ("flashrl.model.decoder", "flashrl.engine.kv_cache", True),
-    ("flashrl.core.config", "flashrl.quant.schemes", True),
-    ("flashrl.engine.engine", "flashrl.vllm_backend.config", True),
-    ("flashrl.engine.engine", "flashrl.correction", True),
-    ("flashrl.rl.trainer", "flashrl.engine", False),
-    ("flashrl.utils", "flashrl.core", True),
-    ("flashrl.quant.linear", "flashrl.errors", False),
-])
+@pytest.mark.parametrize(
+    "source, target, bad",
+    [
+        ("flashrl.engine.engine", "flashrl.model.decoder", False),
+        ("flashrl.model.decoder", "flashrl.engine.kv_cache", True),
+        ("flashrl.core.config", "flashrl.quant.schemes", True),
+        ("flashrl.engine.engine", "flashrl.vllm_backend.config", True),
+        ("flashrl.engine.engine", "flashrl.correction", True),
+        ("flashrl.rl.trainer", "flashrl.engine", False),
+        ("flashrl.utils", "flashrl.core", True),
+        ("flashrl.quant.linear", "flashrl.errors", False),
+    ],
+)
 def test_the_rule(source, target, bad):
     """The rule itself: downward and utility imports pass, upward and sideways ones fail."""
     assert (violation(source, target) is not None) == bad
 
 
 def test_the_parser_sees_function_level_imports_and_skips_type_checking(tmp_path, monkeypatch):
-    code = ("from typing import TYPE_CHECKING\nfrom flashrl.core import config\n"
-            "if TYPE_CHECKING:\n    from flashrl.engine import Engine\n"
-            "def f():\n    from flashrl.rl import trainer\n")
+    code = (
+        "from typing import TYPE_CHECKING\nfrom flashrl.core import config\n"
+        "if TYPE_CHECKING:\n    from flashrl.engine import Engine\n"
+        "def f():\n    from flashrl.rl import trainer\n"
+    )
     path = tmp_path / "probe.py"
     path.write_text(code)
     monkeypatch.setitem(MODULES, "flashrl.model.probe", path)
-    assert sorted(imports("flashrl.model.probe")) == [("flashrl.core.config", True),
-                                                     ("flashrl.rl.trainer", False)]
+    assert sorted(imports("flashrl.model.probe")) == [
+        ("flashrl.core.config", True),
+        ("flashrl.rl.trainer", False),
+    ]

@@ -39,19 +39,85 @@ OUTLIER_LAYER = "model.layers.1.self_attn.qkv_proj"
 OUTLIER_NAMES = [f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
 
 # The documented JSON fields (docs/profile.md).
-TOP_LEVEL = {"schema_version", "flashrl_version", "created", "model", "device", "device_name", "dtype", "settings",
-             "calibration", "layers", "baseline", "schemes", "kv_cache"}
+TOP_LEVEL = {
+    "schema_version",
+    "flashrl_version",
+    "created",
+    "model",
+    "device",
+    "device_name",
+    "dtype",
+    "settings",
+    "calibration",
+    "layers",
+    "baseline",
+    "schemes",
+    "kv_cache",
+}
 MODEL = {"path", "family", "num_layers", "hidden_size", "vocab_size", "tie_word_embeddings"}
-SETTINGS = {"schemes", "threshold", "kv_cache_dtype", "lm_head_fp32", "seed", "max_prompt_tokens", "max_new_tokens",
-            "temperature"}
-CALIBRATION = {"source", "file", "num_sequences", "prompt_tokens", "response_tokens", "positions", "note"}
-LAYER = {"name", "engine_layer", "shape", "tokens", "weight_amax_ratio", "input_amax_ratio", "errors"}
-SCHEME = {"output_error_median", "output_error_max", "flagged", "recommended_skip", "skip", "mismatch",
-          "mismatch_after_skip", "memory"}
-MEMORY = {"weight_bytes_bf16", "weight_bytes", "weight_bytes_after_skip", "ratio", "ratio_after_skip"}
-EXACT = {"kl", "kl_max", "reverse_kl", "tv", "rollout_probs_diff_max", "rollout_probs_diff_mean", "top1_agreement",
-         "positions"}
-SAMPLED = {"kl", "k3_kl", "rollout_probs_diff_max", "rollout_probs_diff_mean", "token_mult_prob_error", "tokens"}
+SETTINGS = {
+    "schemes",
+    "threshold",
+    "kv_cache_dtype",
+    "lm_head_fp32",
+    "seed",
+    "max_prompt_tokens",
+    "max_new_tokens",
+    "temperature",
+}
+CALIBRATION = {
+    "source",
+    "file",
+    "num_sequences",
+    "prompt_tokens",
+    "response_tokens",
+    "positions",
+    "note",
+}
+LAYER = {
+    "name",
+    "engine_layer",
+    "shape",
+    "tokens",
+    "weight_amax_ratio",
+    "input_amax_ratio",
+    "errors",
+}
+SCHEME = {
+    "output_error_median",
+    "output_error_max",
+    "flagged",
+    "recommended_skip",
+    "skip",
+    "mismatch",
+    "mismatch_after_skip",
+    "memory",
+}
+MEMORY = {
+    "weight_bytes_bf16",
+    "weight_bytes",
+    "weight_bytes_after_skip",
+    "ratio",
+    "ratio_after_skip",
+}
+EXACT = {
+    "kl",
+    "kl_max",
+    "reverse_kl",
+    "tv",
+    "rollout_probs_diff_max",
+    "rollout_probs_diff_mean",
+    "top1_agreement",
+    "positions",
+}
+SAMPLED = {
+    "kl",
+    "k3_kl",
+    "rollout_probs_diff_max",
+    "rollout_probs_diff_mean",
+    "token_mult_prob_error",
+    "tokens",
+}
 
 
 def save_outlier_model(path, factor: float = 30.0):
@@ -75,8 +141,21 @@ def profiled(outlier_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("profile") / "profile.json"
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
-        code = main(["profile", "--model", str(outlier_model), "--quant", "int8,fp8", "--device", "cpu",
-                     "--max-new-tokens", "24", "--out", str(out)])
+        code = main(
+            [
+                "profile",
+                "--model",
+                str(outlier_model),
+                "--quant",
+                "int8,fp8",
+                "--device",
+                "cpu",
+                "--max-new-tokens",
+                "24",
+                "--out",
+                str(out),
+            ]
+        )
     assert code == 0, buffer.getvalue()
     return outlier_model, out, json.loads(out.read_text()), buffer.getvalue()
 
@@ -88,19 +167,31 @@ def profiled(outlier_model, tmp_path_factory):
 
 def test_json_has_the_documented_fields(profiled):
     model, path, doc, _ = profiled
-    json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    json.loads(
+        path.read_text(), parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}")
+    )
     assert set(doc) == TOP_LEVEL
     assert doc["schema_version"] == SCHEMA_VERSION == 1
-    assert set(doc["model"]) == MODEL and doc["model"]["family"] == "qwen2" and doc["model"]["num_layers"] == 2
+    assert (
+        set(doc["model"]) == MODEL
+        and doc["model"]["family"] == "qwen2"
+        and doc["model"]["num_layers"] == 2
+    )
     assert set(doc["settings"]) == SETTINGS
-    assert doc["settings"]["schemes"] == ["int8", "fp8"] and doc["settings"]["threshold"] == DEFAULT_THRESHOLD
+    assert (
+        doc["settings"]["schemes"] == ["int8", "fp8"]
+        and doc["settings"]["threshold"] == DEFAULT_THRESHOLD
+    )
     assert set(doc["calibration"]) == CALIBRATION and doc["calibration"]["source"] == "builtin"
     assert doc["calibration"]["num_sequences"] == 16 and doc["calibration"]["response_tokens"] > 0
     assert doc["kv_cache"] is None
     assert SAMPLED <= set(doc["baseline"]["sampled"])
     # one layer entry per linear tensor of the checkpoint, in HF names
-    expected = sorted(n.removesuffix(".weight") for n in load_file(model / "model.safetensors")
-                      if n.endswith("_proj.weight"))
+    expected = sorted(
+        n.removesuffix(".weight")
+        for n in load_file(model / "model.safetensors")
+        if n.endswith("_proj.weight")
+    )
     assert sorted(e["name"] for e in doc["layers"]) == expected
     for entry in doc["layers"]:
         assert set(entry) == LAYER and set(entry["errors"]) == {"int8", "fp8"}
@@ -111,8 +202,13 @@ def test_json_has_the_documented_fields(profiled):
     for scheme in ("int8", "fp8"):
         entry = doc["schemes"][scheme]
         assert set(entry) == SCHEME and set(entry["memory"]) == MEMORY
-        assert set(entry["mismatch"]) == {"exact", "sampled", "kv_cache"} and entry["mismatch"]["kv_cache"] is None
-        assert set(entry["mismatch"]["exact"]) == EXACT and SAMPLED <= set(entry["mismatch"]["sampled"])
+        assert (
+            set(entry["mismatch"]) == {"exact", "sampled", "kv_cache"}
+            and entry["mismatch"]["kv_cache"] is None
+        )
+        assert set(entry["mismatch"]["exact"]) == EXACT and SAMPLED <= set(
+            entry["mismatch"]["sampled"]
+        )
         assert entry["mismatch"]["exact"]["positions"] == doc["calibration"]["positions"]
 
 
@@ -121,9 +217,15 @@ def test_outlier_layer_is_flagged_and_skipping_it_lowers_the_mismatch(profiled):
     int8 = doc["schemes"]["int8"]
     errors = {e["name"]: e["errors"]["int8"]["output_error"] for e in doc["layers"]}
     assert errors["model.layers.1.self_attn.k_proj"] > 2 * DEFAULT_THRESHOLD
-    assert all(err < DEFAULT_THRESHOLD / 2 for name, err in errors.items() if name != "model.layers.1.self_attn.k_proj")
+    assert all(
+        err < DEFAULT_THRESHOLD / 2
+        for name, err in errors.items()
+        if name != "model.layers.1.self_attn.k_proj"
+    )
     assert [f["engine_layer"] for f in int8["flagged"]] == [OUTLIER_LAYER]
-    assert int8["flagged"][0]["names"] == OUTLIER_NAMES  # the whole fused layer: it runs as one GEMM
+    assert (
+        int8["flagged"][0]["names"] == OUTLIER_NAMES
+    )  # the whole fused layer: it runs as one GEMM
     assert int8["recommended_skip"] == OUTLIER_NAMES
     assert int8["skip"] == list(DEFAULT_SKIP) + OUTLIER_NAMES
     before, after = int8["mismatch"]["exact"], int8["mismatch_after_skip"]["exact"]
@@ -134,7 +236,11 @@ def test_outlier_layer_is_flagged_and_skipping_it_lowers_the_mismatch(profiled):
     assert memory["ratio"] == pytest.approx(memory["weight_bytes"] / memory["weight_bytes_bf16"])
     # fp8 keeps relative precision at any magnitude: nothing to skip
     fp8 = doc["schemes"]["fp8"]
-    assert fp8["flagged"] == [] and fp8["recommended_skip"] == [] and fp8["mismatch_after_skip"] is None
+    assert (
+        fp8["flagged"] == []
+        and fp8["recommended_skip"] == []
+        and fp8["mismatch_after_skip"] is None
+    )
     assert fp8["skip"] == list(DEFAULT_SKIP)
     assert fp8["memory"]["weight_bytes_after_skip"] == fp8["memory"]["weight_bytes"]
     # the table names the layer and both mismatch rows
@@ -149,7 +255,9 @@ def test_threshold_controls_the_recommendation(profiled):
     everything = recommend_skip(doc["layers"], "int8", 1e-9)
     assert len(everything) == 2 * 4  # qkv, o, gate_up, down per layer
     assert everything[0]["engine_layer"] == OUTLIER_LAYER  # worst first
-    assert sorted(n for f in everything for n in f["names"]) == sorted(e["name"] for e in doc["layers"])
+    assert sorted(n for f in everything for n in f["names"]) == sorted(
+        e["name"] for e in doc["layers"]
+    )
 
 
 def test_long_tables_show_the_worst_tensors(profiled, monkeypatch):
@@ -164,8 +272,13 @@ def test_long_tables_show_the_worst_tensors(profiled, monkeypatch):
 
 
 def test_shard_names():
-    assert shard_names("layers.3.self_attn.qkv_proj", 3) == [f"model.layers.3.self_attn.{p}_proj" for p in "qkv"]
-    assert shard_names("layers.0.mlp.gate_up_proj", 2) == ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+    assert shard_names("layers.3.self_attn.qkv_proj", 3) == [
+        f"model.layers.3.self_attn.{p}_proj" for p in "qkv"
+    ]
+    assert shard_names("layers.0.mlp.gate_up_proj", 2) == [
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.0.mlp.up_proj",
+    ]
     assert shard_names("layers.1.mlp.down_proj", 1) == ["model.layers.1.mlp.down_proj"]
     with pytest.raises(ValueError, match="has 2 shard"):
         shard_names("layers.1.mlp.down_proj", 2)
@@ -186,20 +299,32 @@ def assert_engine_skips_outlier_layer(engine: Engine) -> None:
     assert isinstance(engine.model.lm_head, DenseLinear)
 
 
-def test_setup_round_trips_into_a_config_the_engine_applies(profiled, tmp_path, monkeypatch, capsys):
+def test_setup_round_trips_into_a_config_the_engine_applies(
+    profiled, tmp_path, monkeypatch, capsys
+):
     model, profile_path, doc, _ = profiled
     out = tmp_path / "flashrl.yaml"
-    assert main(["setup", "--profile", str(profile_path), "--quant", "int8", "--out", str(out)]) == 0
+    assert (
+        main(["setup", "--profile", str(profile_path), "--quant", "int8", "--out", str(out)]) == 0
+    )
     printed = capsys.readouterr().out
     assert f"wrote {out}" in printed and "skip model.layers.1.self_attn.k_proj" in printed
     text = out.read_text()
     assert text.startswith("# flashrl rollout config written by `flashrl setup`")
     assert "with this skip list" in text and str(profile_path) in text
     config = RolloutConfig.from_yaml(out)
-    assert config == RolloutConfig(quant="int8", skip=tuple(doc["schemes"]["int8"]["skip"]), kv_cache_dtype="bf16",
-                                   kv_scale="calibrated", lm_head_fp32=False, logprobs_mode="processed")
+    assert config == RolloutConfig(
+        quant="int8",
+        skip=tuple(doc["schemes"]["int8"]["skip"]),
+        kv_cache_dtype="bf16",
+        kv_scale="calibrated",
+        lm_head_fp32=False,
+        logprobs_mode="processed",
+    )
     assert resolve_config(str(out)) == config  # what `flashrl train`'s rollout.file uses
-    assert_engine_skips_outlier_layer(Engine(model, quant=str(out), device="cpu", progress=False, max_len=64))
+    assert_engine_skips_outlier_layer(
+        Engine(model, quant=str(out), device="cpu", progress=False, max_len=64)
+    )
     monkeypatch.setenv("FLASHRL_CONFIG", str(out))
     assert from_env() == config
     assert_engine_skips_outlier_layer(Engine(model, device="cpu", progress=False, max_len=64))
@@ -207,9 +332,13 @@ def test_setup_round_trips_into_a_config_the_engine_applies(profiled, tmp_path, 
 
 def test_setup_picks_the_scheme_and_rederives_the_skip_list(profiled):
     _, _, doc, _ = profiled
-    with pytest.raises(ValueError, match=r"profiles 2 schemes \(int8, fp8\); choose one with --quant"):
+    with pytest.raises(
+        ValueError, match=r"profiles 2 schemes \(int8, fp8\); choose one with --quant"
+    ):
         build_setup(doc)
-    with pytest.raises(ValueError, match="--quant 'fp8_block' was not profiled in profile; allowed: int8, fp8"):
+    with pytest.raises(
+        ValueError, match="--quant 'fp8_block' was not profiled in profile; allowed: int8, fp8"
+    ):
         build_setup(doc, quant="fp8_block")
     fp8, _ = build_setup(doc, quant="FP8")
     assert fp8.quant == "fp8" and fp8.skip == DEFAULT_SKIP
@@ -236,11 +365,20 @@ def test_setup_single_scheme_needs_no_quant(profiled):
         (lambda d: d.pop("schema_version"), "missing field 'schema_version'"),
         (lambda d: d.update(schema_version=7), "schema_version 7 is not supported"),
         (lambda d: d["settings"].pop("kv_cache_dtype"), "missing field 'settings.kv_cache_dtype'"),
-        (lambda d: d["settings"].update(lm_head_fp32="no"), "field 'settings.lm_head_fp32' has type str; expected bool"),
+        (
+            lambda d: d["settings"].update(lm_head_fp32="no"),
+            "field 'settings.lm_head_fp32' has type str; expected bool",
+        ),
         (lambda d: d["settings"].update(schemes=["int4"]), "unknown scheme 'int4'"),
         (lambda d: d["schemes"]["fp8"].pop("skip"), "missing field 'schemes.fp8.skip'"),
-        (lambda d: d["layers"][3]["errors"].pop("int8"), r"layers\[3\]: missing field 'errors.int8.output_error'"),
-        (lambda d: d["schemes"]["int8"].update(skip=["lm_head", ""]), "non-empty module-name patterns"),
+        (
+            lambda d: d["layers"][3]["errors"].pop("int8"),
+            r"layers\[3\]: missing field 'errors.int8.output_error'",
+        ),
+        (
+            lambda d: d["schemes"]["int8"].update(skip=["lm_head", ""]),
+            "non-empty module-name patterns",
+        ),
     ],
 )
 def test_bad_profile_files_name_the_culprit(profiled, tmp_path, edit, message, capsys):
@@ -249,7 +387,12 @@ def test_bad_profile_files_name_the_culprit(profiled, tmp_path, edit, message, c
     edit(bad)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(bad))
-    assert main(["setup", "--profile", str(path), "--quant", "int8", "--out", str(tmp_path / "x.yaml")]) == 2
+    assert (
+        main(
+            ["setup", "--profile", str(path), "--quant", "int8", "--out", str(tmp_path / "x.yaml")]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("flashrl setup: error:") and "bad.json" in err
     with pytest.raises(ValueError, match=message):
@@ -257,7 +400,10 @@ def test_bad_profile_files_name_the_culprit(profiled, tmp_path, edit, message, c
 
 
 def test_setup_file_errors(tmp_path, capsys):
-    assert main(["setup", "--profile", str(tmp_path / "none.json"), "--out", str(tmp_path / "x.yaml")]) == 2
+    assert (
+        main(["setup", "--profile", str(tmp_path / "none.json"), "--out", str(tmp_path / "x.yaml")])
+        == 2
+    )
     assert "--profile: file" in capsys.readouterr().err
     garbage = tmp_path / "garbage.json"
     garbage.write_text("{not json")
@@ -278,7 +424,9 @@ def test_prompts_files_and_random_ids(outlier_model, tiny_models, tmp_path):
     common = dict(model=str(outlier_model), quant="int8", device="cpu", max_new_tokens=4)
     doc = run_profile(ProfileConfig(prompts=str(text), **common)).to_dict()
     assert doc["calibration"]["source"] == "file" and doc["calibration"]["num_sequences"] == 3
-    assert run_profile(ProfileConfig(prompts=str(jsonl), **common)).calibration["num_sequences"] == 3
+    assert (
+        run_profile(ProfileConfig(prompts=str(jsonl), **common)).calibration["num_sequences"] == 3
+    )
     bad = tmp_path / "bad.jsonl"
     bad.write_text('"ok"\n{"question": 1}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: expected a JSON string or an object"):
@@ -289,19 +437,37 @@ def test_prompts_files_and_random_ids(outlier_model, tiny_models, tmp_path):
     with pytest.raises(FileNotFoundError, match="--prompts: file"):
         run_profile(ProfileConfig(prompts=str(tmp_path / "missing.txt"), **common))
     no_tokenizer = tiny_models("qwen2")
-    doc = run_profile(ProfileConfig(model=str(no_tokenizer), quant="fp8_block", device="cpu", max_new_tokens=4,
-                                    max_prompt_tokens=16)).to_dict()
-    assert doc["calibration"]["source"] == "random_token_ids" and "no tokenizer" in doc["calibration"]["note"]
-    assert doc["settings"]["max_prompt_tokens"] == 16 and doc["calibration"]["prompt_tokens"] <= 16 * 16
+    doc = run_profile(
+        ProfileConfig(
+            model=str(no_tokenizer),
+            quant="fp8_block",
+            device="cpu",
+            max_new_tokens=4,
+            max_prompt_tokens=16,
+        )
+    ).to_dict()
+    assert (
+        doc["calibration"]["source"] == "random_token_ids"
+        and "no tokenizer" in doc["calibration"]["note"]
+    )
+    assert (
+        doc["settings"]["max_prompt_tokens"] == 16
+        and doc["calibration"]["prompt_tokens"] <= 16 * 16
+    )
     with pytest.raises(ValueError, match="has no tokenizer, so text prompts cannot be encoded"):
-        run_profile(ProfileConfig(model=str(no_tokenizer), prompts=str(text), quant="int8", device="cpu"))
+        run_profile(
+            ProfileConfig(model=str(no_tokenizer), prompts=str(text), quant="int8", device="cpu")
+        )
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--model", "/nonexistent/model"], "model directory '/nonexistent/model' does not exist"),
-        (["--quant", "int4"], "unknown quantization scheme 'int4'; allowed: bf16, int8, fp8, fp8_channel, fp8_block"),
+        (
+            ["--quant", "int4"],
+            "unknown quantization scheme 'int4'; allowed: bf16, int8, fp8, fp8_channel, fp8_block",
+        ),
         (["--quant", "bf16,int8"], "bf16 is the reference"),
         (["--quant", "int8,int8"], "names a scheme twice"),
         (["--threshold", "0"], "--threshold 0.0 is invalid"),
@@ -317,7 +483,9 @@ def test_profile_cli_errors(tiny_models, argv, message, capsys):
 
 
 def test_kv_cache_dtype_fp8(outlier_model, monkeypatch):
-    cfg = ProfileConfig(model=str(outlier_model), quant="int8", device="cpu", kv_cache_dtype="fp8", max_new_tokens=8)
+    cfg = ProfileConfig(
+        model=str(outlier_model), quant="int8", device="cpu", kv_cache_dtype="fp8", max_new_tokens=8
+    )
     if not kv_cache_dtype_supported():
         with pytest.raises(ValueError, match="fp8 KV cache is not available in this build"):
             run_profile(cfg)
@@ -329,7 +497,9 @@ def test_kv_cache_dtype_fp8(outlier_model, monkeypatch):
     assert set(kv["kv_only"]) == {"kv_cache", "sampled"}
     assert kv["kv_only"]["kv_cache"]["kl"] > 0 and kv["kv_only"]["kv_cache"]["tokens"] > 0
     int8 = doc["schemes"]["int8"]
-    assert int8["mismatch"]["kv_cache"]["kl"] > 0 and int8["mismatch_after_skip"]["kv_cache"]["kl"] > 0
+    assert (
+        int8["mismatch"]["kv_cache"]["kl"] > 0 and int8["mismatch_after_skip"]["kv_cache"]["kl"] > 0
+    )
     config, _ = build_setup(doc)
     assert config.kv_cache_dtype == "fp8" and config.kv_scale == "calibrated"
     # A build without the fp8 KV cache refuses instead of silently profiling a bf16 cache.
@@ -339,8 +509,15 @@ def test_kv_cache_dtype_fp8(outlier_model, monkeypatch):
 
 
 def test_lm_head_fp32_is_profiled_and_written(outlier_model, tmp_path):
-    doc = run_profile(ProfileConfig(model=str(outlier_model), quant="fp8_channel", device="cpu", lm_head_fp32=True,
-                                    max_new_tokens=4)).to_dict()
+    doc = run_profile(
+        ProfileConfig(
+            model=str(outlier_model),
+            quant="fp8_channel",
+            device="cpu",
+            lm_head_fp32=True,
+            max_new_tokens=4,
+        )
+    ).to_dict()
     assert doc["settings"]["lm_head_fp32"] is True
     config, _ = build_setup(doc)
     assert config.lm_head_fp32 is True and config.quant == "fp8_channel"

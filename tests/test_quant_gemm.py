@@ -11,7 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashrl.quant.gemm import fp8_block_linear, fp8_linear, int8_linear, int8_mm, pad_rows, scaled_linear
+from flashrl.quant.gemm import (
+    fp8_block_linear,
+    fp8_linear,
+    int8_linear,
+    int8_mm,
+    pad_rows,
+    scaled_linear,
+)
 from flashrl.quant.primitives import (
     dequantize_per_block,
     dequantize_per_group,
@@ -25,7 +32,9 @@ SHAPES = [(1, 16, 8), (3, 13, 7), (15, 200, 96), (17, 128, 256), (40, 300, 130)]
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+    return (
+        (y.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)
+    ).item()
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
@@ -34,7 +43,9 @@ def test_int8_mm_is_exact_integer_math(m, k, n, gen):
     b = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     exact = a.long() @ b.long().t()
     assert torch.equal(int8_mm(a, b).long(), exact)
-    assert torch.equal(int8_mm(a, b, min_rows=17).long(), exact), "zero-row padding for CUDA's M > 16 rule"
+    assert torch.equal(int8_mm(a, b, min_rows=17).long(), exact), (
+        "zero-row padding for CUDA's M > 16 rule"
+    )
 
 
 def test_pad_rows():
@@ -59,7 +70,9 @@ def test_int8_linear_equals_exact_epilogue_and_fp64(m, k, n, bias, gen):
     if b is not None:
         same_epilogue = same_epilogue + b
     assert torch.equal(y, same_epilogue)
-    ref64 = acc.double() * sx.double() * sw.double().reshape(1, -1) + (b.double() if b is not None else 0)
+    ref64 = acc.double() * sx.double() * sw.double().reshape(1, -1) + (
+        b.double() if b is not None else 0
+    )
     assert rel_err(y, ref64) < 1e-6
 
 
@@ -72,7 +85,9 @@ def test_fp8_scaled_mm_against_fp64_dequant(name, m, k, n, out_dtype, tol, gen):
     w = torch.randn(n, k, generator=gen) * 0.05
     wq, sw = quantize_weight(w, scheme)
     xq, sx = quantize_activation(x, scheme)
-    ref = (xq.double() * sx.double()) @ (wq.double() * sw.double().reshape(-1, 1) if sw.dim() else wq.double() * sw.double()).t()
+    ref = (xq.double() * sx.double()) @ (
+        wq.double() * sw.double().reshape(-1, 1) if sw.dim() else wq.double() * sw.double()
+    ).t()
     y = fp8_linear(x, wq, sw, scheme, None, out_dtype)
     assert y.dtype == out_dtype and y.shape == (m, n)
     assert rel_err(y, ref) < tol
@@ -104,11 +119,16 @@ def test_fp8_block_against_groupwise_fp64_formula(m, k, n, gen):
         ref += dot * sx[:, g : g + 1].double() * w_scale.reshape(1, -1)
     y = fp8_block_linear(x, wq, sw, scheme, None, torch.float32)
     assert rel_err(y, ref) < 1e-5
-    y_deq = dequantize_per_group(xq, sx, dtype=torch.float64) @ dequantize_per_block(wq, sw, dtype=torch.float64).t()
+    y_deq = (
+        dequantize_per_group(xq, sx, dtype=torch.float64)
+        @ dequantize_per_block(wq, sw, dtype=torch.float64).t()
+    )
     assert rel_err(ref, y_deq) < 1e-12
 
 
-@pytest.mark.parametrize("name,tol", [("int8", 0.03), ("fp8", 0.1), ("fp8_channel", 0.1), ("fp8_block", 0.1)])
+@pytest.mark.parametrize(
+    "name,tol", [("int8", 0.03), ("fp8", 0.1), ("fp8_channel", 0.1), ("fp8_block", 0.1)]
+)
 def test_end_to_end_error_vs_unquantized(name, tol, gen):
     """Against the float64 product of the unquantized tensors (the quantization error itself)."""
     scheme = get_scheme(name)

@@ -23,12 +23,14 @@ import re
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="triton is not installed: the Triton kernel tests need it (pip install triton)")
+pytest.importorskip(
+    "triton", reason="triton is not installed: the Triton kernel tests need it (pip install triton)"
+)
 
-from flashrl.quant import QuantLinear, kernels, primitives  # noqa: E402
-from flashrl.quant.gemm import scaled_linear  # noqa: E402
-from flashrl.quant.primitives import quantize_activation, quantize_weight  # noqa: E402
-from flashrl.quant.schemes import get_scheme  # noqa: E402
+from flashrl.quant import QuantLinear, kernels, primitives
+from flashrl.quant.gemm import scaled_linear
+from flashrl.quant.primitives import quantize_activation, quantize_weight
+from flashrl.quant.schemes import get_scheme
 
 CODES = [torch.int8, torch.float8_e4m3fn]
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -54,20 +56,28 @@ def quantize(impl, granularity: str, x: torch.Tensor, code: torch.dtype, **kw):
     return impl.quantize_per_group(x, code, kw.pop("group", 128), **kw)
 
 
-def assert_bit_identical(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+def assert_bit_identical(
+    got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]
+) -> None:
     """Codes and scales equal bit for bit (NaN included), with the first mismatch in the message."""
     for what, a, b in (("codes", got[0], want[0]), ("scales", got[1], want[1])):
-        assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+        assert a.shape == b.shape and a.dtype == b.dtype, (
+            f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+        )
         a_bits = a.cpu().contiguous().view(torch.uint8 if a.element_size() == 1 else torch.int32)
         b_bits = b.cpu().contiguous().view(torch.uint8 if b.element_size() == 1 else torch.int32)
         diff = a_bits != b_bits
         if diff.any():
             first = tuple(int(i) for i in diff.nonzero()[0])
-            raise AssertionError(f"{what}: {int(diff.sum())} of {diff.numel()} differ; first at {first}: "
-                                 f"kernel {a.cpu()[first].item()!r} vs reference {b.cpu()[first].item()!r}")
+            raise AssertionError(
+                f"{what}: {int(diff.sum())} of {diff.numel()} differ; first at {first}: "
+                f"kernel {a.cpu()[first].item()!r} vs reference {b.cpu()[first].item()!r}"
+            )
 
 
-def stress_data(shape: tuple[int, int], gen: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def stress_data(
+    shape: tuple[int, int], gen: torch.Generator, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Weights ~ N(0, 0.02) with outliers, plus the cases that stress the rules: an all-zero row (amax
     floor), signed zeros, values in the fp8 subnormal range and below it, and a row's max repeated
     negated."""
@@ -97,7 +107,9 @@ def stress_data(shape: tuple[int, int], gen: torch.Generator, dtype: torch.dtype
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_matches_reference(granularity, code, dtype, shape, gen, interpret):
     x = stress_data(shape, gen, dtype)
-    assert_bit_identical(quantize(kernels, granularity, x, code), quantize(primitives, granularity, x, code))
+    assert_bit_identical(
+        quantize(kernels, granularity, x, code), quantize(primitives, granularity, x, code)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
@@ -105,7 +117,9 @@ def test_matches_reference(granularity, code, dtype, shape, gen, interpret):
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_other_input_dtypes(granularity, code, dtype, gen, interpret):
     x = stress_data((9, 150), gen, dtype)
-    assert_bit_identical(quantize(kernels, granularity, x, code), quantize(primitives, granularity, x, code))
+    assert_bit_identical(
+        quantize(kernels, granularity, x, code), quantize(primitives, granularity, x, code)
+    )
 
 
 @pytest.mark.parametrize("code", CODES)
@@ -113,7 +127,9 @@ def test_other_input_dtypes(granularity, code, dtype, gen, interpret):
 def test_long_rows_two_passes(granularity, code, gen, interpret):
     """Rows longer than ONE_PASS_MAX_K take the two-pass path (amax over K, then quantize)."""
     x = stress_data((3, 16500), gen, torch.bfloat16)
-    assert_bit_identical(quantize(kernels, granularity, x, code), quantize(primitives, granularity, x, code))
+    assert_bit_identical(
+        quantize(kernels, granularity, x, code), quantize(primitives, granularity, x, code)
+    )
 
 
 @pytest.mark.parametrize("code", CODES)
@@ -121,7 +137,9 @@ def test_long_rows_two_passes(granularity, code, gen, interpret):
 def test_strided_input(granularity, code, gen, interpret):
     x = stress_data((140, 24), gen).t()  # [24, 140], column-major
     assert not x.is_contiguous()
-    assert_bit_identical(quantize(kernels, granularity, x, code), quantize(primitives, granularity, x, code))
+    assert_bit_identical(
+        quantize(kernels, granularity, x, code), quantize(primitives, granularity, x, code)
+    )
 
 
 @pytest.mark.parametrize("code", CODES)
@@ -129,8 +147,13 @@ def test_odd_block_and_group_sizes(code, gen, interpret):
     """Block and group sizes that are not powers of two (padded tiles, masked inside the tile)."""
     x = stress_data((50, 170), gen)
     for kw in ({"block": (48, 80)}, {"block": (1, 128)}):
-        assert_bit_identical(quantize(kernels, "block", x, code, **kw), quantize(primitives, "block", x, code, **kw))
-    assert_bit_identical(quantize(kernels, "group", x, code, group=96), quantize(primitives, "group", x, code, group=96))
+        assert_bit_identical(
+            quantize(kernels, "block", x, code, **kw), quantize(primitives, "block", x, code, **kw)
+        )
+    assert_bit_identical(
+        quantize(kernels, "group", x, code, group=96),
+        quantize(primitives, "group", x, code, group=96),
+    )
 
 
 def grid_values(code: torch.dtype) -> torch.Tensor:
@@ -150,7 +173,9 @@ def grid_values(code: torch.dtype) -> torch.Tensor:
         up = torch.nextafter(up, torch.tensor(float("inf")))
         down = torch.nextafter(down, torch.tensor(-float("inf")))
         near += [up, down]
-    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, 2.0**-10, -(2.0**-10), 2.0**-11, 1.5 * 2.0**-9])
+    special = torch.tensor(
+        [0.0, -0.0, 1e-45, -1e-45, 1e-40, 2.0**-10, -(2.0**-10), 2.0**-11, 1.5 * 2.0**-9]
+    )
     row = torch.cat([torch.tensor([qmax]), codes, *near, special])
     return row[row.abs() <= qmax][None, :]
 
@@ -171,7 +196,9 @@ def test_out_of_range_values_clamp_before_the_cast(code, interpret):
     """With a given scale smaller than amax / qmax (the per-tensor path's second kernel reads the
     scale instead of computing it), values beyond qmax and infinities clamp to +-qmax like the
     reference ``clamp(x / s)`` then cast; fresh scales never get there, so only this test sees it."""
-    x = torch.tensor([[0.0, 127.4, 127.5, 128.0, 447.9, 448.5, 464.0, 470.0, 1e30, float("inf"), 3.3]])
+    x = torch.tensor(
+        [[0.0, 127.4, 127.5, 128.0, 447.9, 448.5, 464.0, 470.0, 1e30, float("inf"), 3.3]]
+    )
     x = torch.cat([x, -x])
     scale = torch.tensor(1.0)
     got = torch.empty(x.shape, dtype=code)
@@ -231,7 +258,9 @@ def test_division_rule(granularity, code, gen, interpret):
     s = want[1].reshape(-1)[0]
     amax = x.abs().max()
     assert amax * (1 / torch.tensor(QMAX[code])) != s, "the scale must tell the two rules apart"
-    assert codes_differ(quantize_reciprocal(x, s, code), want[0]), "the codes must tell the two rules apart"
+    assert codes_differ(quantize_reciprocal(x, s, code), want[0]), (
+        "the codes must tell the two rules apart"
+    )
     assert_bit_identical(quantize(kernels, granularity, x, code), want)
 
 
@@ -266,8 +295,12 @@ def test_in_place_outputs(granularity, code, gen, interpret):
     got = quantize(kernels, granularity, x, code, out=out, scale_out=scale_out)
     assert got[0] is out and got[1] is scale_out and (out.data_ptr(), scale_out.data_ptr()) == ptrs
     assert_bit_identical(got, want)
-    assert (codes_buf[:5].float() == 0).all() and (codes_buf[25:].float() == 0).all(), "wrote outside out"
-    assert scales_buf[0] == 1e30 and (scales_buf[1 + want[1].numel() :] == 1e30).all(), "wrote outside scale_out"
+    assert (codes_buf[:5].float() == 0).all() and (codes_buf[25:].float() == 0).all(), (
+        "wrote outside out"
+    )
+    assert scales_buf[0] == 1e30 and (scales_buf[1 + want[1].numel() :] == 1e30).all(), (
+        "wrote outside scale_out"
+    )
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8_channel", "fp8_block"])
@@ -288,8 +321,10 @@ def test_quantlinear_requantize_through_kernels(scheme, gen, interpret):
     assert changed > 0
     assert {name: b.data_ptr() for name, b in layer.named_buffers()} == ptrs
     for (name, a), (_, b) in zip(layer.named_buffers(), ref.named_buffers()):
-        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
-                           b.view(torch.uint8) if b.element_size() == 1 else b), name
+        assert torch.equal(
+            a.view(torch.uint8) if a.element_size() == 1 else a,
+            b.view(torch.uint8) if b.element_size() == 1 else b,
+        ), name
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8_channel", "fp8_block"])
@@ -323,7 +358,10 @@ def test_non_finite_weights_raise_the_reference_error(scheme, bad, interpret):
     w[11, 140] = bad
     messages = []
     for mode in ("torch", "triton"):
-        with kernels.mode_scope(mode), pytest.raises(ValueError, match=r"2 non-finite value\(s\).*\(3, 7\)") as err:
+        with (
+            kernels.mode_scope(mode),
+            pytest.raises(ValueError, match=r"2 non-finite value\(s\).*\(3, 7\)") as err,
+        ):
             quantize_weight(w, get_scheme(scheme), name="layer.weight")
         messages.append(str(err.value))
     assert messages[0] == messages[1]
@@ -342,7 +380,9 @@ def test_non_finite_activations_give_nan_scales_like_the_reference(granularity, 
     x[4, 130] = float("inf")
     got = quantize(kernels, granularity, x, code, check_finite=False)
     want = quantize(primitives, granularity, x, code, check_finite=False)
-    assert torch.equal(got[1].isnan(), want[1].isnan()) and torch.equal(got[1].isinf(), want[1].isinf())
+    assert torch.equal(got[1].isnan(), want[1].isnan()) and torch.equal(
+        got[1].isinf(), want[1].isinf()
+    )
     finite = torch.isfinite(want[1])
     assert torch.equal(got[1][finite], want[1][finite])
     if granularity in ("row", "group"):
@@ -375,7 +415,10 @@ def test_env_switch(monkeypatch, interpret):
     with kernels.mode_scope("triton"):  # the in-process override wins over the environment
         assert primitives.quantizer_for(x) is kernels
     monkeypatch.setenv(kernels.ENV_VAR, "cuda")
-    with pytest.raises(ValueError, match="FLASHRL_QUANT_KERNELS='cuda' is not a kernel mode; allowed: auto, triton, torch"):
+    with pytest.raises(
+        ValueError,
+        match="FLASHRL_QUANT_KERNELS='cuda' is not a kernel mode; allowed: auto, triton, torch",
+    ):
         kernels.get_mode()
     with pytest.raises(ValueError, match="allowed: auto, triton, torch"):
         kernels.set_mode("fast")
@@ -385,7 +428,9 @@ def test_forcing_triton_where_it_cannot_run_raises(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     w = torch.randn(8, 16)
     with kernels.mode_scope("triton"):
-        with pytest.raises(RuntimeError, match=r"FLASHRL_QUANT_KERNELS=triton .* on cpu: .*TRITON_INTERPRET=1"):
+        with pytest.raises(
+            RuntimeError, match=r"FLASHRL_QUANT_KERNELS=triton .* on cpu: .*TRITON_INTERPRET=1"
+        ):
             quantize_weight(w, get_scheme("int8"))
         with pytest.raises(RuntimeError, match="on cpu"):
             quantize_activation(w, get_scheme("fp8_block"))
@@ -420,7 +465,10 @@ def compile_ptx(fn, pointers: dict[str, str], constexprs: dict[str, object], arc
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in fn.arg_names}
+    signature = {
+        name: "constexpr" if name in constexprs else pointers.get(name, "i32")
+        for name in fn.arg_names
+    }
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     target = GPUTarget("cuda", arch, 64 if arch >= 90 else 32)
     return triton.compile(source, target=target, options={"enable_fp_fusion": False}).asm["ptx"]
@@ -435,27 +483,80 @@ def test_ptx_uses_ieee_division():
     from triton.backends import backends
 
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 4):
-        pytest.skip(f"compiling without a GPU needs triton >= 3.4 (installed: {triton.__version__})")
+        pytest.skip(
+            f"compiling without a GPU needs triton >= 3.4 (installed: {triton.__version__})"
+        )
     if "nvidia" not in backends:
         pytest.skip("this triton build has no NVIDIA backend to compile with")
     k = kernels._load(interpret=False)
     base = {"QMAX": 448.0, "EPS": 1e-10, "IS_INT8": False}
     rows = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32"}
     cases = [  # (kernel, pointer types, constexprs, divides, arches)
-        (k._quant_rows_kernel, rows, dict(base, COMPUTE_SCALE=True, BLOCK_M=1, BLOCK_K=4096, ONE_PASS=True), True, (90, 80)),
-        (k._quant_rows_kernel, dict(rows, x_ptr="*fp32", q_ptr="*i8"),
-         dict(base, IS_INT8=True, QMAX=127.0, COMPUTE_SCALE=True, BLOCK_M=1, BLOCK_K=4096, ONE_PASS=False), True, (90,)),
-        (k._quant_rows_kernel, rows, dict(base, COMPUTE_SCALE=False, BLOCK_M=4, BLOCK_K=1024, ONE_PASS=True), True, (90,)),
-        (k._rows_amax_kernel, {"x_ptr": "*bf16", "amax_ptr": "*fp32"}, dict(BLOCK_M=1, BLOCK_K=4096), False, (90,)),
-        (k._tensor_scale_kernel, {"amax_ptr": "*fp32", "s_ptr": "*fp32"}, dict(QMAX=448.0, EPS=1e-10, BLOCK=1024), True, (90,)),
-        (k._quant_tiles_kernel, rows, dict(base, ROWS=128, COLS=128, PAD_ROWS=128, PAD_COLS=128, ROW_SCALES=False), True, (90, 80)),
-        (k._quant_tiles_kernel, rows, dict(base, ROWS=32, COLS=128, PAD_ROWS=32, PAD_COLS=128, ROW_SCALES=True), True, (90,)),
+        (
+            k._quant_rows_kernel,
+            rows,
+            dict(base, COMPUTE_SCALE=True, BLOCK_M=1, BLOCK_K=4096, ONE_PASS=True),
+            True,
+            (90, 80),
+        ),
+        (
+            k._quant_rows_kernel,
+            dict(rows, x_ptr="*fp32", q_ptr="*i8"),
+            dict(
+                base,
+                IS_INT8=True,
+                QMAX=127.0,
+                COMPUTE_SCALE=True,
+                BLOCK_M=1,
+                BLOCK_K=4096,
+                ONE_PASS=False,
+            ),
+            True,
+            (90,),
+        ),
+        (
+            k._quant_rows_kernel,
+            rows,
+            dict(base, COMPUTE_SCALE=False, BLOCK_M=4, BLOCK_K=1024, ONE_PASS=True),
+            True,
+            (90,),
+        ),
+        (
+            k._rows_amax_kernel,
+            {"x_ptr": "*bf16", "amax_ptr": "*fp32"},
+            dict(BLOCK_M=1, BLOCK_K=4096),
+            False,
+            (90,),
+        ),
+        (
+            k._tensor_scale_kernel,
+            {"amax_ptr": "*fp32", "s_ptr": "*fp32"},
+            dict(QMAX=448.0, EPS=1e-10, BLOCK=1024),
+            True,
+            (90,),
+        ),
+        (
+            k._quant_tiles_kernel,
+            rows,
+            dict(base, ROWS=128, COLS=128, PAD_ROWS=128, PAD_COLS=128, ROW_SCALES=False),
+            True,
+            (90, 80),
+        ),
+        (
+            k._quant_tiles_kernel,
+            rows,
+            dict(base, ROWS=32, COLS=128, PAD_ROWS=32, PAD_COLS=128, ROW_SCALES=True),
+            True,
+            (90,),
+        ),
     ]
     for fn, pointers, constexprs, divides, arches in cases:
         for arch in arches:
             ptx = compile_ptx(fn, pointers, constexprs, arch)
             divisions = set(re.findall(r"\b(?:div|rcp)\.[a-z0-9.]+", ptx))
-            assert divisions == ({"div.rn.f32"} if divides else set()), f"{fn.__name__} sm_{arch} {constexprs}: {sorted(divisions)}"
+            assert divisions == ({"div.rn.f32"} if divides else set()), (
+                f"{fn.__name__} sm_{arch} {constexprs}: {sorted(divisions)}"
+            )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -498,9 +599,15 @@ def test_gpu_torch_path_matches_cpu_reference(granularity, code, gen):
     CUDA torch multiplies by the reciprocal when dividing by a Python scalar)."""
     for shape in [(130, 257), (1024, 4096)]:
         x = stress_data(shape, gen, torch.bfloat16)
-        assert_bit_identical(quantize(primitives, granularity, x.cuda(), code), quantize(primitives, granularity, x, code))
+        assert_bit_identical(
+            quantize(primitives, granularity, x.cuda(), code),
+            quantize(primitives, granularity, x, code),
+        )
     x = division_sensitive(code, gen, 64)
-    assert_bit_identical(quantize(primitives, granularity, x.cuda(), code), quantize(primitives, granularity, x, code))
+    assert_bit_identical(
+        quantize(primitives, granularity, x.cuda(), code),
+        quantize(primitives, granularity, x, code),
+    )
 
 
 @pytest.mark.gpu
@@ -511,9 +618,16 @@ def test_gpu_quantlinear_requantize_uses_kernels(scheme, monkeypatch, gen, compi
     CPU reference's bits; its forward quantizes activations through them too."""
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     calls = []
-    for name in ("quantize_per_row", "quantize_per_tensor", "quantize_per_block", "quantize_per_group"):
+    for name in (
+        "quantize_per_row",
+        "quantize_per_tensor",
+        "quantize_per_block",
+        "quantize_per_group",
+    ):
         original = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+        monkeypatch.setattr(
+            kernels, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw)
+        )
     shards = (256, 128, 128)
     w = (torch.randn(512, 1024, generator=gen) * 0.02).to(torch.bfloat16)
     layer = QuantLinear(1024, 512, scheme, shard_sizes=shards, device="cuda")
@@ -525,8 +639,10 @@ def test_gpu_quantlinear_requantize_uses_kernels(scheme, monkeypatch, gen, compi
         ref = QuantLinear(1024, 512, scheme, shard_sizes=shards)
         ref.requantize_(w)
     for (name, a), (_, b) in zip(layer.named_buffers(), ref.named_buffers()):
-        assert torch.equal(a.cpu().view(torch.uint8) if a.element_size() == 1 else a.cpu(),
-                           b.view(torch.uint8) if b.element_size() == 1 else b), name
+        assert torch.equal(
+            a.cpu().view(torch.uint8) if a.element_size() == 1 else a.cpu(),
+            b.view(torch.uint8) if b.element_size() == 1 else b,
+        ), name
     calls.clear()
     layer(torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16))
     assert calls, "the forward did not quantize activations with the Triton kernels"
@@ -557,6 +673,8 @@ def test_gpu_activation_quantization_in_a_cuda_graph(scheme, compiled):
 def test_gpu_non_finite_weights_raise(scheme, compiled):
     w = torch.randn(256, 512)
     w[100, 300] = float("nan")
-    with pytest.raises(ValueError, match=r"weight: tensor contains 1 non-finite value\(s\).*\(100, 300\)"):
+    with pytest.raises(
+        ValueError, match=r"weight: tensor contains 1 non-finite value\(s\).*\(100, 300\)"
+    ):
         with kernels.mode_scope("triton"):
             quantize_weight(w.cuda(), get_scheme(scheme))

@@ -22,11 +22,15 @@ def buffers_of(layer: QuantLinear) -> dict[str, torch.Tensor]:
 def assert_same_layer(a: QuantLinear, b: QuantLinear) -> None:
     for name, buf in buffers_of(a).items():
         other = buffers_of(b)[name]
-        assert torch.equal(buf.view(torch.uint8) if buf.element_size() == 1 else buf,
-                           other.view(torch.uint8) if other.element_size() == 1 else other), name
+        assert torch.equal(
+            buf.view(torch.uint8) if buf.element_size() == 1 else buf,
+            other.view(torch.uint8) if other.element_size() == 1 else other,
+        ), name
 
 
-def linear(n: int, k: int, gen: torch.Generator, bias: bool = True, dtype=torch.bfloat16) -> nn.Linear:
+def linear(
+    n: int, k: int, gen: torch.Generator, bias: bool = True, dtype=torch.bfloat16
+) -> nn.Linear:
     layer = nn.Linear(k, n, bias=bias)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(n, k, generator=gen) * 0.02)
@@ -86,7 +90,9 @@ def test_count_changed_codes(gen):
     assert layer.requantize_(base.weight.detach(), count_changed=True) == 0
     w = base.weight.detach().clone()
     row_max = w.abs().argmax(dim=1)
-    w[5, (row_max[5] + 1) % 64] += 0.5 * layer.weight_scale[5, 0] * 3  # moves at least one code of row 5
+    w[5, (row_max[5] + 1) % 64] += (
+        0.5 * layer.weight_scale[5, 0] * 3
+    )  # moves at least one code of row 5
     changed = layer.requantize_(w, count_changed=True)
     assert changed >= 1
     assert changed == int((QuantLinear.from_linear(base, "int8").weight != layer.weight).sum())
@@ -155,4 +161,7 @@ def test_quantize_tiny_transformers_model(family, tmp_path):
         removed = sum(m.in_features * m.out_features * 2 for m in qlayers)  # bf16 weights gone
         added = sum(m.nbytes() - (m.bias.numel() * 2 if m.bias is not None else 0) for m in qlayers)
         assert report.bytes_before - report.bytes_after == removed - added
-        assert isinstance(quantized.lm_head, nn.Linear) and type(quantized.model.embed_tokens) is nn.Embedding
+        assert (
+            isinstance(quantized.lm_head, nn.Linear)
+            and type(quantized.model.embed_tokens) is nn.Embedding
+        )

@@ -39,7 +39,9 @@ def random_weight(shape, gen, dtype=torch.float32, outliers=True):
     return w.to(dtype)
 
 
-def assert_within_quant_error(x: torch.Tensor, deq: torch.Tensor, scale_per_elem: torch.Tensor, code: torch.dtype):
+def assert_within_quant_error(
+    x: torch.Tensor, deq: torch.Tensor, scale_per_elem: torch.Tensor, code: torch.dtype
+):
     x64, d64, s64 = x.double(), deq.double(), scale_per_elem.double()
     err = (x64 - d64).abs()
     if code == torch.int8:
@@ -47,10 +49,14 @@ def assert_within_quant_error(x: torch.Tensor, deq: torch.Tensor, scale_per_elem
     else:
         bound = torch.maximum(x64.abs() * 2.0**-4, s64 * 2.0**-10)
     excess = err - bound * (1 + 1e-6) - d64.abs() * 2.0**-23
-    assert excess.max() <= 0, f"max excess over bound {excess.max().item():.3e} (max err {err.max().item():.3e})"
+    assert excess.max() <= 0, (
+        f"max excess over bound {excess.max().item():.3e} (max err {err.max().item():.3e})"
+    )
 
 
-def reference_codes(x: torch.Tensor, scale_per_elem: torch.Tensor, code: torch.dtype) -> torch.Tensor:
+def reference_codes(
+    x: torch.Tensor, scale_per_elem: torch.Tensor, code: torch.dtype
+) -> torch.Tensor:
     """The plain rule, written out: fp32 divide, (round,) clamp, cast."""
     y = x.float() / scale_per_elem
     if code == torch.int8:
@@ -81,7 +87,9 @@ def test_per_tensor(code, shape, gen):
     x = random_weight(shape, gen, torch.bfloat16)
     q, s = quantize_per_tensor(x, code)
     assert s.shape == () and s.dtype == torch.float32
-    assert math.isclose(s.item(), max(x.double().abs().max().item(), 1e-10) / QMAX[code], rel_tol=2e-7)
+    assert math.isclose(
+        s.item(), max(x.double().abs().max().item(), 1e-10) / QMAX[code], rel_tol=2e-7
+    )
     assert same_codes(q, reference_codes(x, s, code))
     assert_within_quant_error(x, dequantize_per_tensor(q, s), s.expand(shape), code)
 
@@ -104,8 +112,12 @@ def test_per_block_matches_loop_reference(code, shape, block, gen):
     w = random_weight(shape, gen, torch.bfloat16)
     q, s = quantize_per_block(w, code, block)
     assert s.shape == (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
-    torch.testing.assert_close(s.double(), loop_block_scales(w, block, QMAX[code]), rtol=2e-7, atol=0)
-    per_elem = s.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
+    torch.testing.assert_close(
+        s.double(), loop_block_scales(w, block, QMAX[code]), rtol=2e-7, atol=0
+    )
+    per_elem = s.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[
+        :, : shape[1]
+    ]
     assert same_codes(q, reference_codes(w, per_elem, code))
     assert_within_quant_error(w, dequantize_per_block(q, s, block), per_elem, code)
 
@@ -128,7 +140,13 @@ def test_per_group(code, shape, gen):
     q, s = quantize_per_group(x, code, 128)
     groups = math.ceil(shape[1] / 128)
     assert s.shape == (shape[0], groups)
-    ref = torch.stack([x[:, g * 128 : (g + 1) * 128].double().abs().amax(1).clamp_min(1e-10) for g in range(groups)], 1)
+    ref = torch.stack(
+        [
+            x[:, g * 128 : (g + 1) * 128].double().abs().amax(1).clamp_min(1e-10)
+            for g in range(groups)
+        ],
+        1,
+    )
     torch.testing.assert_close(s.double(), ref / QMAX[code], rtol=2e-7, atol=0)
     per_elem = s.repeat_interleave(128, 1)[:, : shape[1]]
     assert same_codes(q, reference_codes(x, per_elem, code))

@@ -11,12 +11,14 @@ import torch
 from flashrl.rl import algo
 
 
-def reference_advantages(rewards: list[float], n: int, estimator: str, norm_by_std: bool) -> list[float]:
+def reference_advantages(
+    rewards: list[float], n: int, estimator: str, norm_by_std: bool
+) -> list[float]:
     out = []
     for g in range(0, len(rewards), n):
         group = rewards[g : g + n]
         mean = sum(group) / n
-        for i, r in enumerate(group):
+        for r in group:
             if estimator == "rloo":
                 out.append(r - (sum(group) - r) / (n - 1))
             elif estimator == "grpo" and norm_by_std:
@@ -26,10 +28,15 @@ def reference_advantages(rewards: list[float], n: int, estimator: str, norm_by_s
     return out
 
 
-@pytest.mark.parametrize("estimator,norm", [("grpo", True), ("grpo", False), ("drgrpo", True), ("rloo", True)])
+@pytest.mark.parametrize(
+    "estimator,norm", [("grpo", True), ("grpo", False), ("drgrpo", True), ("rloo", True)]
+)
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_group_advantages_match_reference(estimator, norm, n, gen):
-    rewards = torch.randint(0, 3, (n * 5,), generator=gen).float() + torch.rand(n * 5, generator=gen) * 0.1
+    rewards = (
+        torch.randint(0, 3, (n * 5,), generator=gen).float()
+        + torch.rand(n * 5, generator=gen) * 0.1
+    )
     got = algo.group_advantages(rewards, n, estimator, norm)
     ref = reference_advantages(rewards.tolist(), n, estimator, norm)
     assert torch.allclose(got, torch.tensor(ref), atol=1e-5)

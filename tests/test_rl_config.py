@@ -26,17 +26,66 @@ from flashrl.tools.cli import build_parser, main
 
 # every flat field of flashrl 0.1's TrainConfig, with the value `flashrl train` wrote to config.yaml
 FLAT_CONFIG = dict(
-    model=None, data=None, prompt_field="question", answer_field="answer", prompt_template="{prompt}",
-    chat_template=True, system_prompt=None, reward="exact_match", task_max_operand=9, task_ops="+",
-    backend="builtin", rollout_quant="int8", rollout_config=None, rollout_dtype="bf16", kv_cache_dtype="bf16",
-    lm_head_fp32=False, temperature=1.0, top_k=0, top_p=1.0, max_prompt_tokens=16, max_response_tokens=6,
-    max_batch=256, vllm_kwargs=None, steps=200, batch_size=128, group_size=8, advantage="grpo",
-    norm_adv_by_std=True, loss_aggregation="token_mean", clip_low=0.2, clip_high=0.28, dual_clip=None,
-    mini_batches=1, micro_batch_size=128, lr=3e-4, weight_decay=0.0, warmup_steps=0, grad_clip=1.0,
-    kl_coef=0.0, overlong_buffer=0, overlong_penalty=1.0, dynamic_sampling=False, correction_mode="decoupled",
-    correction="token_tis", tis_cap=2.0, correction_band=None, rejection=None, rejection_thresholds=None,
-    device="cpu", trainer_dtype="fp32", seed=0, output_dir="runs/tiny-cpu", save_every=0, keep_last=None,
-    resume=None, resume_allow_changes=None, overwrite=False, plot=True, compare=None)
+    model=None,
+    data=None,
+    prompt_field="question",
+    answer_field="answer",
+    prompt_template="{prompt}",
+    chat_template=True,
+    system_prompt=None,
+    reward="exact_match",
+    task_max_operand=9,
+    task_ops="+",
+    backend="builtin",
+    rollout_quant="int8",
+    rollout_config=None,
+    rollout_dtype="bf16",
+    kv_cache_dtype="bf16",
+    lm_head_fp32=False,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    max_prompt_tokens=16,
+    max_response_tokens=6,
+    max_batch=256,
+    vllm_kwargs=None,
+    steps=200,
+    batch_size=128,
+    group_size=8,
+    advantage="grpo",
+    norm_adv_by_std=True,
+    loss_aggregation="token_mean",
+    clip_low=0.2,
+    clip_high=0.28,
+    dual_clip=None,
+    mini_batches=1,
+    micro_batch_size=128,
+    lr=3e-4,
+    weight_decay=0.0,
+    warmup_steps=0,
+    grad_clip=1.0,
+    kl_coef=0.0,
+    overlong_buffer=0,
+    overlong_penalty=1.0,
+    dynamic_sampling=False,
+    correction_mode="decoupled",
+    correction="token_tis",
+    tis_cap=2.0,
+    correction_band=None,
+    rejection=None,
+    rejection_thresholds=None,
+    device="cpu",
+    trainer_dtype="fp32",
+    seed=0,
+    output_dir="runs/tiny-cpu",
+    save_every=0,
+    keep_last=None,
+    resume=None,
+    resume_allow_changes=None,
+    overwrite=False,
+    plot=True,
+    compare=None,
+)
 
 
 @pytest.fixture
@@ -54,45 +103,122 @@ def test_every_old_name_has_a_new_field():
 
 
 def test_yaml_of_the_nested_shape_round_trips(tmp_path):
-    config = build_config("tiny-cpu", None, {"correction.weight": "token_mis", "correction.band": "0.5_5.0",
-                                             "rollout.skip": "lm_head,*.down_proj", "run.seed": "3"})
+    config = build_config(
+        "tiny-cpu",
+        None,
+        {
+            "correction.weight": "token_mis",
+            "correction.band": "0.5_5.0",
+            "rollout.skip": "lm_head,*.down_proj",
+            "run.seed": "3",
+        },
+    )
     path = config.save_yaml(tmp_path / "c.yaml")
     text = yaml.safe_load(path.read_text())
     assert set(text) == {"model", "data", "rollout", "correction", "algo", "run"}
-    assert text["correction"]["band"] == [0.5, 5.0] and text["rollout"]["skip"] == ["lm_head", "*.down_proj"]
+    assert text["correction"]["band"] == [0.5, 5.0] and text["rollout"]["skip"] == [
+        "lm_head",
+        "*.down_proj",
+    ]
     assert build_config(None, str(path), {}) == config
 
 
 def test_dotted_flags_reach_the_config(no_training, flashrl_logger):
-    assert main(["train", "--correction.cap", "3", "--rollout.quant", "fp8", "--run.steps", "10",
-                 "--algo.dynamic-sampling", "--run.plot", "false", "--data.task-ops", "+-"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--correction.cap",
+                "3",
+                "--rollout.quant",
+                "fp8",
+                "--run.steps",
+                "10",
+                "--algo.dynamic-sampling",
+                "--run.plot",
+                "false",
+                "--data.task-ops",
+                "+-",
+            ]
+        )
+        == 0
+    )
     config = no_training[0]
     assert (config.correction.cap, config.rollout.quant, config.run.steps) == (3.0, "fp8", 10)
-    assert config.algo.dynamic_sampling is True and config.run.plot is False and config.data.task_ops == "+-"
+    assert (
+        config.algo.dynamic_sampling is True
+        and config.run.plot is False
+        and config.data.task_ops == "+-"
+    )
     assert config.algo.group_size == 8  # the preset's
 
 
 def test_old_flat_flags_still_work_and_warn(no_training, flashrl_logger, caplog):
     with caplog.at_level(logging.WARNING, logger="flashrl"):
-        assert main(["train", "--tis-cap", "0", "--rollout-quant", "fp8", "--steps", "10", "--plot=false"]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "--tis-cap",
+                    "0",
+                    "--rollout-quant",
+                    "fp8",
+                    "--steps",
+                    "10",
+                    "--plot=false",
+                ]
+            )
+            == 0
+        )
     old = no_training[-1]
-    assert main(["train", "--correction.weight", "none", "--rollout.quant", "fp8", "--run.steps", "10",
-                 "--run.plot", "false"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--correction.weight",
+                "none",
+                "--rollout.quant",
+                "fp8",
+                "--run.steps",
+                "10",
+                "--run.plot",
+                "false",
+            ]
+        )
+        == 0
+    )
     assert old == no_training[-1]
     err = caplog.text
-    assert "tis_cap (--tis-cap) is deprecated" in err and "use correction.cap (--correction.cap)" in err
+    assert (
+        "tis_cap (--tis-cap) is deprecated" in err
+        and "use correction.cap (--correction.cap)" in err
+    )
     assert "rollout_quant (--rollout-quant) is deprecated" in err and "use rollout.quant" in err
 
 
 def test_old_flat_yaml_and_overrides_still_work(tmp_path):
     path = tmp_path / "old.yaml"
-    path.write_text("steps: 7\nlr: 0.5\nrollout_quant: fp8\ncorrection: seq_tis\ntis_cap: 3\ndata: d.jsonl\n"
-                    "correction_band: null\n")
-    with pytest.warns(DeprecationWarning, match=r"old.yaml: steps \(--steps\) is deprecated.*use run.steps"):
+    path.write_text(
+        "steps: 7\nlr: 0.5\nrollout_quant: fp8\ncorrection: seq_tis\ntis_cap: 3\ndata: d.jsonl\n"
+        "correction_band: null\n"
+    )
+    with pytest.warns(
+        DeprecationWarning, match=r"old.yaml: steps \(--steps\) is deprecated.*use run.steps"
+    ):
         old = build_config("tiny-cpu", str(path), {"max_batch": "4"})
-    new = build_config("tiny-cpu", None, {"run.steps": 7, "algo.lr": 0.5, "rollout.quant": "fp8",
-                                          "correction.weight": "seq_tis", "correction.cap": 3,
-                                          "data.path": "d.jsonl", "run.max_batch": 4})
+    new = build_config(
+        "tiny-cpu",
+        None,
+        {
+            "run.steps": 7,
+            "algo.lr": 0.5,
+            "rollout.quant": "fp8",
+            "correction.weight": "seq_tis",
+            "correction.cap": 3,
+            "data.path": "d.jsonl",
+            "run.max_batch": 4,
+        },
+    )
     assert old == new
 
 
@@ -101,7 +227,10 @@ def test_tis_cap_zero_is_weight_none_whatever_layer_sets_it():
         warnings.simplefilter("ignore", DeprecationWarning)
         config = build_config("tiny-cpu", None, {"tis_cap": "0"})
         assert config.correction == CorrectionConfig(weight="none")
-        assert build_config(None, None, {"correction": "token_mis", "tis_cap": 0}).correction.weight == "token_mis"
+        assert (
+            build_config(None, None, {"correction": "token_mis", "tis_cap": 0}).correction.weight
+            == "token_mis"
+        )
 
 
 def test_group_names_take_mappings_and_old_names_values(tmp_path):
@@ -113,15 +242,25 @@ def test_group_names_take_mappings_and_old_names_values(tmp_path):
     path.write_text("algo: 3\n")
     with pytest.raises(ConfigError, match="algo must be a mapping of AlgoConfig fields"):
         build_config(None, str(path), {})
-    with pytest.raises(ConfigError, match=r"unknown config key\(s\) in overrides: algo.learning_rate"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key\(s\) in overrides: algo.learning_rate"
+    ):
         build_config(None, None, {"algo.learning_rate": "1"})
 
 
 def test_rollout_file_is_the_base_of_the_rollout_group(tmp_path):
-    path = RolloutConfig(quant="fp8_channel", kv_cache_dtype="fp8", lm_head_fp32=True).to_yaml(tmp_path / "r.yaml")
-    config = build_config("tiny-cpu", None, {"rollout.file": str(path)})  # the preset's int8 does not win
-    assert config.rollout == RolloutConfig(quant="fp8_channel", kv_cache_dtype="fp8", lm_head_fp32=True)
-    explicit = build_config("tiny-cpu", None, {"rollout.file": str(path), "rollout.lm_head_fp32": "false"})
+    path = RolloutConfig(quant="fp8_channel", kv_cache_dtype="fp8", lm_head_fp32=True).to_yaml(
+        tmp_path / "r.yaml"
+    )
+    config = build_config(
+        "tiny-cpu", None, {"rollout.file": str(path)}
+    )  # the preset's int8 does not win
+    assert config.rollout == RolloutConfig(
+        quant="fp8_channel", kv_cache_dtype="fp8", lm_head_fp32=True
+    )
+    explicit = build_config(
+        "tiny-cpu", None, {"rollout.file": str(path), "rollout.lm_head_fp32": "false"}
+    )
     assert explicit.rollout.lm_head_fp32 is False and explicit.rollout.quant == "fp8_channel"
     with pytest.raises(FileNotFoundError, match="rollout.file"):
         build_config(None, None, {"rollout.file": str(tmp_path / "missing.yaml")})
@@ -132,10 +271,14 @@ def test_an_old_flat_checkpoint_config_compares_with_a_nested_one():
     free = set(RESUME_FREE_FIELDS)
     assert config_differences(stored_values(FLAT_CONFIG), current.flat_dict(), free) == []
     assert config_differences(stored_values(current.to_dict()), current.flat_dict(), free) == []
-    changed = build_config("tiny-cpu", None, {"run.seed": 3, "correction.weight": "none", "run.steps": 5})
+    changed = build_config(
+        "tiny-cpu", None, {"run.seed": 3, "correction.weight": "none", "run.steps": 5}
+    )
     diffs = config_differences(stored_values(FLAT_CONFIG), changed.flat_dict(), free)
-    assert diffs == ["correction.weight: 'token_tis' in the checkpoint, 'none' now",
-                     "run.seed: 0 in the checkpoint, 3 now"]
+    assert diffs == [
+        "correction.weight: 'token_tis' in the checkpoint, 'none' now",
+        "run.seed: 0 in the checkpoint, 3 now",
+    ]
 
 
 def test_resume_allow_changes_takes_groups_and_old_names():
@@ -144,7 +287,9 @@ def test_resume_allow_changes_takes_groups_and_old_names():
 
     assert allowed("run.seed") == {"run.seed"}
     assert allowed("seed,rollout_quant") == {"run.seed", "rollout.quant"}
-    assert allowed("correction") == {f"correction.{f.name}" for f in dataclasses.fields(CorrectionConfig)}
+    assert allowed("correction") == {
+        f"correction.{f.name}" for f in dataclasses.fields(CorrectionConfig)
+    }
     assert allowed("all") is None
     with pytest.raises(ConfigError, match="unknown field.*run.sede"):
         allowed("run.sede")
@@ -154,8 +299,16 @@ def test_validation_names_the_dotted_field():
     with pytest.raises(ConfigError, match="run.keep_last=0 must be a positive integer"):
         build_config(None, None, {"run.keep_last": 0})
     with pytest.raises(ConfigError, match="correction.mode='bypass'.*algo.mini_batches=1"):
-        build_config(None, None, {"correction.mode": "bypass", "algo.mini_batches": 2, "algo.batch_size": 16,
-                                  "algo.group_size": 4})
+        build_config(
+            None,
+            None,
+            {
+                "correction.mode": "bypass",
+                "algo.mini_batches": 2,
+                "algo.batch_size": 16,
+                "algo.group_size": 4,
+            },
+        )
     with pytest.raises(ConfigError, match="run.compare='int8,INT8' lists 'int8' twice"):
         TrainConfig(run=dataclasses.replace(TrainConfig().run, compare="int8,INT8"))
 
@@ -165,21 +318,37 @@ def test_validation_names_the_dotted_field():
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("hint, value, expected", [
-    (bool, "on", True), (bool, "OFF", False), (bool, True, True), (int, "10", 10), (float, 2, 2.0),
-    (float | None, "none", None), (str, 0.01, "0.01"), (tuple[str, ...], "a, b,", ("a", "b")),
-    (tuple[str, ...], ["a"], ("a",)), (str | float, "0.5", "0.5"), (str | float, 0.5, 0.5),
-])
+@pytest.mark.parametrize(
+    "hint, value, expected",
+    [
+        (bool, "on", True),
+        (bool, "OFF", False),
+        (bool, True, True),
+        (int, "10", 10),
+        (float, 2, 2.0),
+        (float | None, "none", None),
+        (str, 0.01, "0.01"),
+        (tuple[str, ...], "a, b,", ("a", "b")),
+        (tuple[str, ...], ["a"], ("a",)),
+        (str | float, "0.5", "0.5"),
+        (str | float, 0.5, 0.5),
+    ],
+)
 def test_coerce(hint, value, expected):
     assert coerce("x", hint, value) == expected
 
 
-@pytest.mark.parametrize("hint, value, message", [
-    (bool, "maybe", "x='maybe' is not a boolean; expected true or false"),
-    (int, "1.5", "x='1.5' is not an integer"), (int, True, "x=True is not an integer"),
-    (float, "nan", r"x='nan' is not a number \(NaN\)"), (int, None, "x cannot be empty"),
-    (float | None, "x", "expected a number or none"),
-])
+@pytest.mark.parametrize(
+    "hint, value, message",
+    [
+        (bool, "maybe", "x='maybe' is not a boolean; expected true or false"),
+        (int, "1.5", "x='1.5' is not an integer"),
+        (int, True, "x=True is not an integer"),
+        (float, "nan", r"x='nan' is not a number \(NaN\)"),
+        (int, None, "x cannot be empty"),
+        (float | None, "x", "expected a number or none"),
+    ],
+)
 def test_coerce_errors(hint, value, message):
     with pytest.raises(ConfigError, match=message):
         coerce("x", hint, value, None)
@@ -212,13 +381,20 @@ def _parse(argv):
 def test_fields_become_flags_with_their_docs(capsys):
     parser, args = _parse(["--required", "r", "--on", "--mode", "auto"])
     assert flags.build(_Demo, args) == _Demo(required="r", on=True, mode=None)
-    assert flags.build(_Demo, _parse(["--required", "r", "--on", "no", "--mode", "on", "--count", "4"])[1]) == \
-        _Demo(required="r", count=4, on=False, mode=True)
-    assert flags.field_docs(_Demo) == {"required": "Needed.", "on": "A switch with 50 % more.",
-                                       "documented": "from the class docstring (two lines)."}
+    assert flags.build(
+        _Demo, _parse(["--required", "r", "--on", "no", "--mode", "on", "--count", "4"])[1]
+    ) == _Demo(required="r", count=4, on=False, mode=True)
+    assert flags.field_docs(_Demo) == {
+        "required": "Needed.",
+        "on": "A switch with 50 % more.",
+        "documented": "from the class docstring (two lines).",
+    }
     parser.print_help()
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "--count INT (default: 3)" in help_text and "A switch with 50 % more. (default: false)" in help_text
+    assert (
+        "--count INT (default: 3)" in help_text
+        and "A switch with 50 % more. (default: false)" in help_text
+    )
     with pytest.raises(ConfigError, match="--count='x' is not an integer"):
         flags.build(_Demo, _parse(["--required", "r", "--count", "x"])[1])
 
@@ -236,5 +412,6 @@ def test_legacy_warnings_are_logged_once_per_flag(no_training, flashrl_logger, c
     with caplog.at_level(logging.WARNING, logger="flashrl"):
         assert main(["train", "--lr", "0.001"]) == 0
     assert [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()] == [
-        "overrides: lr (--lr) is deprecated and will be removed in the next release; use algo.lr (--algo.lr)"]
+        "overrides: lr (--lr) is deprecated and will be removed in the next release; use algo.lr (--algo.lr)"
+    ]
     assert no_training[0].algo.lr == 0.001

@@ -7,7 +7,14 @@ import json
 import pytest
 
 from flashrl.rl.data import ArithmeticTask, FileDataset, read_rows, render_prompt
-from flashrl.rl.rewards import exact_match, extract_number, get_reward, gold_answer, math_verify, numeric
+from flashrl.rl.rewards import (
+    exact_match,
+    extract_number,
+    get_reward,
+    gold_answer,
+    math_verify,
+    numeric,
+)
 
 
 def test_arithmetic_task_is_a_pure_function_of_step():
@@ -28,7 +35,9 @@ def write_jsonl(path, rows):
 
 def test_file_dataset_epochs_and_fields(tmp_path):
     rows = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(5)]
-    data = FileDataset(str(write_jsonl(tmp_path / "d.jsonl", rows)), seed=1, prompt_template="Q: {prompt}")
+    data = FileDataset(
+        str(write_jsonl(tmp_path / "d.jsonl", rows)), seed=1, prompt_template="Q: {prompt}"
+    )
     seen = [ex.prompt for step in range(5) for ex in data.batch(step, 2)]
     assert sorted(seen[:5]) == [f"Q: q{i}" for i in range(5)]  # one full epoch before repeating
     assert data.batch(3, 2) == data.batch(3, 2)
@@ -47,7 +56,9 @@ def test_dataset_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         FileDataset(str(tmp_path / "missing.jsonl"))
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "target": "y"}])
-    with pytest.raises(ValueError, match=r"no field\(s\) 'question', 'answer'; fields found: prompt, target"):
+    with pytest.raises(
+        ValueError, match=r"no field\(s\) 'question', 'answer'; fields found: prompt, target"
+    ):
         FileDataset(str(path))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"a": 1}\n{oops\n')
@@ -68,14 +79,17 @@ def test_render_prompt_uses_the_chat_template():
     assert render_prompt(tok, "1+1=", use_chat_template=False) == "1+1="
 
 
-@pytest.mark.parametrize("response,answer,expected", [
-    ("The total is 1,234 dollars. #### 1,234", "work... #### 1234", 1.0),
-    ("so \\boxed{42}", "#### 42", 1.0),
-    ("first 3 then 41", "41", 1.0),
-    ("#### 41 and later 42", "#### 42", 0.0),
-    ("no number", "#### 7", 0.0),
-    ("$18.00", "#### 18", 1.0),
-])
+@pytest.mark.parametrize(
+    "response,answer,expected",
+    [
+        ("The total is 1,234 dollars. #### 1,234", "work... #### 1234", 1.0),
+        ("so \\boxed{42}", "#### 42", 1.0),
+        ("first 3 then 41", "41", 1.0),
+        ("#### 41 and later 42", "#### 42", 0.0),
+        ("no number", "#### 7", 0.0),
+        ("$18.00", "#### 18", 1.0),
+    ],
+)
 def test_numeric_reward(response, answer, expected):
     assert numeric(response, answer) == expected
 

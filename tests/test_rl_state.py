@@ -4,7 +4,6 @@ fail before any work (docs/reliability.md, "Training runs")."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pickle
@@ -29,13 +28,27 @@ def text_length_reward(monkeypatch):
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("policy"), "qwen2", tokenizer=True, max_position_embeddings=64)
+    return save_tiny_model(
+        tmp_path_factory.mktemp("policy"), "qwen2", tokenizer=True, max_position_embeddings=64
+    )
 
 
 def small_config(model_dir, out, **overrides):
-    values = dict(model=str(model_dir), output_dir=str(out), steps=1, batch_size=8, group_size=4, micro_batch_size=8,
-                  max_response_tokens=4, task_max_operand=9, plot=False, lr=1e-2, device="cpu", rollout_dtype="fp32",
-                  reward="text_length")
+    values = dict(
+        model=str(model_dir),
+        output_dir=str(out),
+        steps=1,
+        batch_size=8,
+        group_size=4,
+        micro_batch_size=8,
+        max_response_tokens=4,
+        task_max_operand=9,
+        plot=False,
+        lr=1e-2,
+        device="cpu",
+        rollout_dtype="fp32",
+        reward="text_length",
+    )
     values.update(overrides)
     return build_config("tiny-cpu", None, {LEGACY_NAMES.get(k, k): v for k, v in values.items()})
 
@@ -47,7 +60,9 @@ def train(model_dir, out, **overrides) -> Trainer:
 
 
 def checkpoints(out) -> list[str]:
-    return sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint-", ".checkpoint-")))
+    return sorted(
+        p.name for p in out.iterdir() if p.name.startswith(("checkpoint-", ".checkpoint-"))
+    )
 
 
 # ------------------------------------------------------------------------------------ 1. no code execution
@@ -94,28 +109,55 @@ def test_fresh_run_refuses_a_directory_holding_a_run(policy_dir, tmp_path):
     out = tmp_path / "run"
     train(policy_dir, out)
     before = (out / "metrics.jsonl").read_text()
-    with pytest.raises(CheckpointError, match=r"already holds a run .*metrics.jsonl.*checkpoint-1.*--run.overwrite"):
+    with pytest.raises(
+        CheckpointError, match=r"already holds a run .*metrics.jsonl.*checkpoint-1.*--run.overwrite"
+    ):
         Trainer(small_config(policy_dir, out, seed=1))
     assert (out / "metrics.jsonl").read_text() == before and (out / "checkpoint-1").is_dir()
     (out / "notes.txt").write_text("mine")
     train(policy_dir, out, seed=1, steps=2, save_every=1, overwrite=True)
     assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [0, 1]
     assert checkpoints(out) == ["checkpoint-1", "checkpoint-2"]
-    assert torch.load(out / "checkpoint-1" / "trainer_state.pt", weights_only=True)["config"]["run"]["seed"] == 1
+    assert (
+        torch.load(out / "checkpoint-1" / "trainer_state.pt", weights_only=True)["config"]["run"][
+            "seed"
+        ]
+        == 1
+    )
     assert (out / "notes.txt").read_text() == "mine", "overwrite deletes only the run's own files"
 
 
 def test_resume_checks_the_config_against_the_checkpoint(policy_dir, tmp_path):
     out = tmp_path / "run"
     train(policy_dir, out)
-    with pytest.raises(CheckpointError, match=r"(?s)group_size: 4 in the checkpoint, 8 now.*seed: 0 in the checkpoint, 3 now"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"(?s)group_size: 4 in the checkpoint, 8 now.*seed: 0 in the checkpoint, 3 now",
+    ):
         Trainer(small_config(policy_dir, out, steps=2, resume="latest", seed=3, group_size=8))
     with pytest.raises(CheckpointError, match="rollout.quant"):
         Trainer(small_config(policy_dir, out, steps=2, resume="latest", rollout_quant="fp8"))
     # steps, lr and output settings may change; others with resume_allow_changes
-    assert Trainer(small_config(policy_dir, out, steps=3, lr=1e-3, save_every=1, resume="latest")).step == 1
-    assert Trainer(small_config(policy_dir, out, steps=2, resume="latest", seed=3, resume_allow_changes="run.seed")).step == 1
-    assert Trainer(small_config(policy_dir, out, steps=2, resume="latest", seed=3, resume_allow_changes="all")).step == 1
+    assert (
+        Trainer(small_config(policy_dir, out, steps=3, lr=1e-3, save_every=1, resume="latest")).step
+        == 1
+    )
+    assert (
+        Trainer(
+            small_config(
+                policy_dir, out, steps=2, resume="latest", seed=3, resume_allow_changes="run.seed"
+            )
+        ).step
+        == 1
+    )
+    assert (
+        Trainer(
+            small_config(
+                policy_dir, out, steps=2, resume="latest", seed=3, resume_allow_changes="all"
+            )
+        ).step
+        == 1
+    )
     with pytest.raises(ConfigError, match="resume_allow_changes.*sede"):
         small_config(policy_dir, out, resume_allow_changes="sede")
 
@@ -124,7 +166,11 @@ def test_resume_from_another_directory_into_a_run_refuses(policy_dir, tmp_path):
     train(policy_dir, tmp_path / "a")
     train(policy_dir, tmp_path / "b")
     with pytest.raises(CheckpointError, match="already holds a run"):
-        Trainer(small_config(policy_dir, tmp_path / "b", steps=2, resume=str(tmp_path / "a" / "checkpoint-1")))
+        Trainer(
+            small_config(
+                policy_dir, tmp_path / "b", steps=2, resume=str(tmp_path / "a" / "checkpoint-1")
+            )
+        )
 
 
 def test_resume_from_an_older_checkpoint_needs_overwrite(policy_dir, tmp_path):
@@ -132,7 +178,9 @@ def test_resume_from_an_older_checkpoint_needs_overwrite(policy_dir, tmp_path):
     train(policy_dir, out, steps=2, save_every=1)
     with pytest.raises(CheckpointError, match="checkpoint-2 .*newer.*--run.overwrite"):
         Trainer(small_config(policy_dir, out, steps=2, resume=str(out / "checkpoint-1")))
-    Trainer(small_config(policy_dir, out, steps=2, resume=str(out / "checkpoint-1"), overwrite=True))
+    Trainer(
+        small_config(policy_dir, out, steps=2, resume=str(out / "checkpoint-1"), overwrite=True)
+    )
     assert checkpoints(out) == ["checkpoint-1"]
     assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [0]
 
@@ -170,14 +218,21 @@ def test_metrics_lines_are_appended_in_one_write(policy_dir, tmp_path, monkeypat
     """Each line goes to the file in one os.write followed by an fsync: a crash tears at most it."""
     calls = []
     real_write, real_fsync = os.write, os.fsync
-    monkeypatch.setattr(os, "write", lambda fd, data: calls.append(("write", bytes(data))) or real_write(fd, data))
+    monkeypatch.setattr(
+        os, "write", lambda fd, data: calls.append(("write", bytes(data))) or real_write(fd, data)
+    )
     monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync", None)) or real_fsync(fd))
     from flashrl.rl.checkpoint import append_line
 
     path = tmp_path / "m.jsonl"
     append_line(path, '{"step": 0}')
     append_line(path, '{"step": 1}')
-    assert calls == [("write", b'{"step": 0}\n'), ("fsync", None), ("write", b'{"step": 1}\n'), ("fsync", None)]
+    assert calls == [
+        ("write", b'{"step": 0}\n'),
+        ("fsync", None),
+        ("write", b'{"step": 1}\n'),
+        ("fsync", None),
+    ]
     assert path.read_text() == '{"step": 0}\n{"step": 1}\n'
 
 
@@ -211,8 +266,11 @@ def test_no_complete_checkpoint_names_every_damaged_one(policy_dir, tmp_path):
     train(policy_dir, out, steps=2, save_every=1)
     for step in (1, 2):
         _truncate(out / f"checkpoint-{step}" / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"(?s)no complete checkpoint.*checkpoint-2/model.safetensors.*"
-                                              r"checkpoint-1/model.safetensors"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"(?s)no complete checkpoint.*checkpoint-2/model.safetensors.*"
+        r"checkpoint-1/model.safetensors",
+    ):
         Trainer(small_config(policy_dir, out, steps=3, resume="latest"))
 
 
@@ -226,7 +284,9 @@ def test_leftover_tmp_and_stray_final_directories(policy_dir, tmp_path):
     (out / "checkpoint-final").mkdir()
     trainer = Trainer(small_config(policy_dir, out, steps=2, resume="latest"))
     assert trainer.step == 1
-    assert not (out / ".checkpoint-7.tmp").exists(), "an incomplete checkpoint write was left behind"
+    assert not (out / ".checkpoint-7.tmp").exists(), (
+        "an incomplete checkpoint write was left behind"
+    )
     assert (out / "checkpoint-final").is_dir()
 
 
@@ -284,14 +344,17 @@ def test_compare_refuses_duplicates(policy_dir, tmp_path):
     assert [name for name, _ in compare_variants("int8,int8-notis")] == ["int8", "int8-notis"]
 
 
-@pytest.mark.parametrize("name,value,match", [
-    ("FLASHRL_CONFIG", "int4", "FLASHRL_CONFIG='int4' is invalid"),
-    ("FLASHRL_LMHEAD_FP32", "maybe", "FLASHRL_LMHEAD_FP32='maybe' is invalid"),
-])
+@pytest.mark.parametrize(
+    "name,value,match",
+    [
+        ("FLASHRL_CONFIG", "int4", "FLASHRL_CONFIG='int4' is invalid"),
+        ("FLASHRL_LMHEAD_FP32", "maybe", "FLASHRL_LMHEAD_FP32='maybe' is invalid"),
+    ],
+)
 def test_train_validates_flashrl_env(policy_dir, tmp_path, monkeypatch, capsys, name, value, match):
     from flashrl.core.env import from_env
-    from flashrl.tools.cli import main
     from flashrl.rl.run import run
+    from flashrl.tools.cli import main
 
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=match) as other:
@@ -299,7 +362,9 @@ def test_train_validates_flashrl_env(policy_dir, tmp_path, monkeypatch, capsys, 
     with pytest.raises(type(other.value), match=match):
         run(small_config(policy_dir, tmp_path / "run"))
     assert not (tmp_path / "run").exists()
-    assert main(["train", "--model", str(policy_dir), "--run.output-dir", str(tmp_path / "run")]) == 2
+    assert (
+        main(["train", "--model", str(policy_dir), "--run.output-dir", str(tmp_path / "run")]) == 2
+    )
     assert match in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 

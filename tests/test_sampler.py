@@ -12,23 +12,25 @@ from flashrl.core.sampling import SamplingParams, process_logits, replay_process
 from flashrl.engine.sampler import sample
 
 
-def reference_processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def reference_processed_logprobs(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
     """float64, one row at a time, written from the rule: /T, keep >= k-th largest, drop the ascending
     prefix whose cumulative probability is <= 1 - p (never the most likely token), log-softmax."""
     out = []
     for row in logits.double():
-        l = row / temperature
+        z = row / temperature
         if top_k > 0:
-            kth = torch.sort(l, descending=True).values[top_k - 1]
-            l = torch.where(l < kth, torch.tensor(-math.inf, dtype=l.dtype), l)
+            kth = torch.sort(z, descending=True).values[top_k - 1]
+            z = torch.where(z < kth, torch.tensor(-math.inf, dtype=z.dtype), z)
         if top_p < 1:
-            order = torch.argsort(l)
-            cum = torch.cumsum(torch.softmax(l[order], 0), 0)
+            order = torch.argsort(z)
+            cum = torch.cumsum(torch.softmax(z[order], 0), 0)
             drop = cum <= 1 - top_p
             drop[-1] = False
-            l = l.clone()
-            l[order[drop]] = -math.inf
-        out.append(torch.log_softmax(l, 0))
+            z = z.clone()
+            z[order[drop]] = -math.inf
+        out.append(torch.log_softmax(z, 0))
     return torch.stack(out)
 
 
@@ -84,7 +86,10 @@ def test_sample_returns_logprob_of_sampled_token_under_processed_distribution(ge
 def test_inverse_cdf_picks_the_right_token():
     logits = torch.log(torch.tensor([[0.1, 0.0, 0.6, 0.3]]))
     params = SamplingParams(temperature=1.0)
-    picks = [sample(logits, params, torch.tensor([u], dtype=torch.float64)).tokens.item() for u in (0.0, 0.05, 0.11, 0.69, 0.71, 0.999999999)]
+    picks = [
+        sample(logits, params, torch.tensor([u], dtype=torch.float64)).tokens.item()
+        for u in (0.0, 0.05, 0.11, 0.69, 0.71, 0.999999999)
+    ]
     assert picks == [0, 0, 2, 2, 3, 3]  # never the zero-probability token 1
 
 
@@ -95,10 +100,17 @@ def test_greedy_is_argmax_with_unscaled_logprob(gen):
     assert torch.allclose(out.logprobs, torch.log_softmax(logits, -1).max(-1).values)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n="),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=0), "n="),
+    ],
+)
 def test_sampling_params_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)

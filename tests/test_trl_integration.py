@@ -45,24 +45,48 @@ this model, int8 and fp8)."""
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory) -> Path:
     """A sharp tiny Qwen2 (weights ~ N(0, 0.2^2)) with the character tokenizer; head_dim 128/4 = 32."""
-    path = save_tiny_vllm_model(tmp_path_factory.mktemp("trl") / "qwen2", family="qwen2", seed=0,
-                                initializer_range=0.2, hidden_size=128, intermediate_size=256)
+    path = save_tiny_vllm_model(
+        tmp_path_factory.mktemp("trl") / "qwen2",
+        family="qwen2",
+        seed=0,
+        initializer_range=0.2,
+        hidden_size=128,
+        intermediate_size=256,
+    )
     config = json.loads((path / "config.json").read_text())
-    assert config["hidden_size"] // config["num_attention_heads"] % 32 == 0, "vLLM CPU attention needs head_dim % 32"
+    assert config["hidden_size"] // config["num_attention_heads"] % 32 == 0, (
+        "vLLM CPU attention needs head_dim % 32"
+    )
     return path
 
 
 def run_grpo(model_dir: Path, out_dir: Path, scheme: str) -> dict:
     """Run the unmodified GRPOTrainer in a fresh process with ``FLASHRL_CONFIG=scheme``; return its JSON."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHRL_", "VLLM_"))}
-    env.update(FLASHRL_CONFIG=scheme, FLASHRL_LOGGING_LEVEL="INFO", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env.update(
+        FLASHRL_CONFIG=scheme,
+        FLASHRL_LOGGING_LEVEL="INFO",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+    )
     out = out_dir / "result.json"
-    proc = subprocess.run([sys.executable, str(RUNNER), str(model_dir), str(out), "--steps", str(STEPS)],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=out_dir)
-    assert out.exists(), f"runner wrote no result (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), str(model_dir), str(out), "--steps", str(STEPS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=out_dir,
+    )
+    assert out.exists(), (
+        f"runner wrote no result (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
     result = json.loads(out.read_text())
-    assert result["error"] is None, f"TRL training with FLASHRL_CONFIG={scheme} failed:\n{result['error'][-6000:]}"
+    assert result["error"] is None, (
+        f"TRL training with FLASHRL_CONFIG={scheme} failed:\n{result['error'][-6000:]}"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result["log"] = proc.stdout + proc.stderr
     return result
@@ -72,7 +96,9 @@ def run_grpo(model_dir: Path, out_dir: Path, scheme: str) -> dict:
 def test_unmodified_grpo_trainer_requantizes_every_sync(tiny_qwen2, tmp_path, scheme):
     """3 GRPO steps; after each of TRL's syncs the engine equals flashrl's quantization of the trainer."""
     result = run_grpo(tiny_qwen2, tmp_path, scheme)
-    assert result["quantization"] == f"flashrl_{scheme}", "FLASHRL_CONFIG did not switch TRL's LLM(...) to flashrl"
+    assert result["quantization"] == f"flashrl_{scheme}", (
+        "FLASHRL_CONFIG did not switch TRL's LLM(...) to flashrl"
+    )
     steps = result["steps"]
     assert [s["global_step"] for s in steps] == list(range(1, STEPS + 1))
     # TRL's first sync pushes the initial weights; each later one the weights after one more optimizer step.
@@ -82,18 +108,27 @@ def test_unmodified_grpo_trainer_requantizes_every_sync(tiny_qwen2, tmp_path, sc
         codes = step["codes_current"]
         assert codes["checked"] == LINEAR_LAYERS and codes["mismatched"] == [], (
             f"{where}: vLLM layers whose codes/scales/bias differ from flashrl's quantization of the trainer's "
-            f"weights: {codes['mismatched']}")
-        assert step["lp_diff_current"] < LP_TOL, f"{where}: engine logprobs off the trainer's weights: {step}"
+            f"weights: {codes['mismatched']}"
+        )
+        assert step["lp_diff_current"] < LP_TOL, (
+            f"{where}: engine logprobs off the trainer's weights: {step}"
+        )
         stats = step["direct_load"]
         assert stats["incomplete_groups"] == 0 and stats["pending_layers"] == 0, f"{where}: {stats}"
         assert stats["layers_committed"] == LINEAR_LAYERS * step["global_step"], f"{where}: {stats}"
         if step["global_step"] > 1:
-            assert step["weights_moved_max"] > 0.01, f"{where}: the trainer's weights did not move: {step}"
+            assert step["weights_moved_max"] > 0.01, (
+                f"{where}: the trainer's weights did not move: {step}"
+            )
             assert len(step["codes_initial"]["mismatched"]) == LINEAR_LAYERS, (
-                f"{where}: some layers still hold the initial checkpoint's codes: {step['codes_initial']}")
+                f"{where}: some layers still hold the initial checkpoint's codes: {step['codes_initial']}"
+            )
             assert step["lp_diff_initial"] > 5 * step["lp_diff_current"], (
                 f"{where}: engine logprobs are not clearly closer to the current weights than to the initial "
-                f"checkpoint: {step['lp_diff_current']:.3f} vs {step['lp_diff_initial']:.3f}")
+                f"checkpoint: {step['lp_diff_current']:.3f} vs {step['lp_diff_initial']:.3f}"
+            )
     assert result["train"]["train_loss"] == result["train"]["train_loss"], "NaN training loss"
     # What docs/integrations.md tells users to look for with FLASHRL_LOGGING_LEVEL=INFO.
-    assert "FLASHRL_CONFIG set quantization" in result["log"] and "re-quantized" in result["log"], result["log"][-3000:]
+    assert "FLASHRL_CONFIG set quantization" in result["log"] and "re-quantized" in result["log"], (
+        result["log"][-3000:]
+    )

@@ -31,7 +31,9 @@ def test_verify_passes_on_cpu(tmp_path, capsys):
     assert doc["passed"] is True and doc["device"] == "cpu"
     results = {(r["check"], r["scheme"]): r for r in doc["results"]}
     schemes = ["bf16", "int8", "fp8", "fp8_channel", "fp8_block"]
-    expected = {("gemm", s) for s in schemes[1:]} | {(c, s) for c in ("reload", "logprobs", "kv_cache") for s in schemes}
+    expected = {("gemm", s) for s in schemes[1:]} | {
+        (c, s) for c in ("reload", "logprobs", "kv_cache") for s in schemes
+    }
     assert expected <= set(results)
     assert [r["check"] for r in doc["results"]][-1] == "vllm" and len(results) == len(expected) + 1
     for key in expected - {("kv_cache", "fp8")}:
@@ -51,7 +53,9 @@ def test_verify_passes_on_cpu(tmp_path, capsys):
 def test_verify_is_deterministic():
     first = run_verify(device="cpu", schemes=["int8"], vllm=False)
     second = run_verify(device="cpu", schemes=["int8"], vllm=False)
-    assert [(r.check, r.status, r.detail) for r in first] == [(r.check, r.status, r.detail) for r in second]
+    assert [(r.check, r.status, r.detail) for r in first] == [
+        (r.check, r.status, r.detail) for r in second
+    ]
     assert [r.check for r in first] == CHECK_NAMES
     assert rows(first)[("vllm", "int8")].detail == "disabled (--no-vllm)"
 
@@ -120,7 +124,10 @@ def test_wrong_logprobs_fail(monkeypatch):
 
     monkeypatch.setattr(engine_module, "sample", biased)
     by_key = rows(run_verify(device="cpu", schemes=["int8"], vllm=False))
-    assert by_key[("logprobs", "int8")].status == FAIL and "max |diff| 0.001" in by_key[("logprobs", "int8")].detail
+    assert (
+        by_key[("logprobs", "int8")].status == FAIL
+        and "max |diff| 0.001" in by_key[("logprobs", "int8")].detail
+    )
     assert by_key[("gemm", "int8")].status == PASS
 
 
@@ -128,30 +135,48 @@ def test_a_crashing_check_is_a_fail_row_and_the_others_still_run(monkeypatch):
     def boom(ctx, scheme):
         raise RuntimeError("boom")
 
-    monkeypatch.setitem(verify.CHECKS, "kv_cache", dataclasses.replace(verify.CHECKS["kv_cache"], fn=boom))
+    monkeypatch.setitem(
+        verify.CHECKS, "kv_cache", dataclasses.replace(verify.CHECKS["kv_cache"], fn=boom)
+    )
     results = run_verify(device="cpu", schemes=["bf16"], vllm=False)
     by_key = rows(results)
-    assert by_key[("kv_cache", "bf16")].status == FAIL and by_key[("kv_cache", "bf16")].detail == "RuntimeError: boom"
+    assert (
+        by_key[("kv_cache", "bf16")].status == FAIL
+        and by_key[("kv_cache", "bf16")].detail == "RuntimeError: boom"
+    )
     assert by_key[("reload", "bf16")].status == PASS and by_key[("logprobs", "bf16")].status == PASS
     assert exit_code(results) == 1
 
 
 def test_unsupported_schemes_are_skipped_with_the_reason(monkeypatch, capsys):
-    monkeypatch.setattr(verify, "scheme_unsupported_reason",
-                        lambda scheme, device: "needs SM89+ (test)" if str(scheme).startswith("fp8") else None)
+    monkeypatch.setattr(
+        verify,
+        "scheme_unsupported_reason",
+        lambda scheme, device: "needs SM89+ (test)" if str(scheme).startswith("fp8") else None,
+    )
     assert main(["verify", "--device", "cpu", "--quant", "int8,fp8", "--no-vllm"]) == 0
     printed = capsys.readouterr().out
     fp8_rows = [line for line in printed.splitlines() if "| fp8 " in line]
-    assert len(fp8_rows) == 4 and all("| SKIP " in line and "needs SM89+ (test)" in line for line in fp8_rows)
+    assert len(fp8_rows) == 4 and all(
+        "| SKIP " in line and "needs SM89+ (test)" in line for line in fp8_rows
+    )
     assert "0 failed" in printed
 
 
 def test_scheme_unsupported_reason(monkeypatch):
-    assert all(scheme_unsupported_reason(s, "cpu") is None for s in ("bf16", "int8", "fp8", "fp8_channel", "fp8_block"))
+    assert all(
+        scheme_unsupported_reason(s, "cpu") is None
+        for s in ("bf16", "int8", "fp8", "fp8_channel", "fp8_block")
+    )
     assert "not mps" in scheme_unsupported_reason("int8", "mps")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert "8.9+" in scheme_unsupported_reason("fp8", "cuda") and "this GPU is 8.0" in scheme_unsupported_reason("fp8_channel", "cuda")
-    assert scheme_unsupported_reason("fp8_block", "cuda") is None and scheme_unsupported_reason("int8", "cuda") is None
+    assert "8.9+" in scheme_unsupported_reason(
+        "fp8", "cuda"
+    ) and "this GPU is 8.0" in scheme_unsupported_reason("fp8_channel", "cuda")
+    assert (
+        scheme_unsupported_reason("fp8_block", "cuda") is None
+        and scheme_unsupported_reason("int8", "cuda") is None
+    )
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert "8.0+" in scheme_unsupported_reason("int8", "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -161,7 +186,9 @@ def test_scheme_unsupported_reason(monkeypatch):
 def test_vllm_row_skips_when_vllm_is_missing(monkeypatch, tmp_path):
     import importlib.util
 
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else object())
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else object()
+    )
     ctx = VerifyContext(torch.device("cpu"), tmp_path)
     status, detail = check_vllm(ctx, "int8")
     assert status == SKIP and detail.startswith("vLLM is not installed")
@@ -173,7 +200,9 @@ def test_reference_logprobs_agree_with_the_samplers_replay(gen):
     from flashrl.core.sampling import replay_processed_logprobs
 
     logits = torch.randn(64, 300, generator=gen) * 3
-    tokens = torch.multinomial((logits / 0.7).softmax(-1), 1, generator=gen)[:, 0]  # mostly inside the nucleus
+    tokens = torch.multinomial((logits / 0.7).softmax(-1), 1, generator=gen)[
+        :, 0
+    ]  # mostly inside the nucleus
     tokens[:8] = logits[:8].argmin(-1)  # and some outside it
     ref, edge = processed_logprobs_fp64(logits, 0.7, 0.9)
     mine = replay_processed_logprobs(logits, tokens, 0.7, top_p=0.9).double()
@@ -181,7 +210,11 @@ def test_reference_logprobs_agree_with_the_samplers_replay(gen):
     keep = ~edge.gather(-1, tokens[:, None])[:, 0]
     assert torch.equal(torch.isinf(mine[keep]), torch.isinf(theirs[keep]))
     finite = keep & torch.isfinite(theirs)
-    assert finite.sum() > 40 and torch.isinf(theirs[:8]).all() and (mine[finite] - theirs[finite]).abs().max() < 1e-5
+    assert (
+        finite.sum() > 40
+        and torch.isinf(theirs[:8]).all()
+        and (mine[finite] - theirs[finite]).abs().max() < 1e-5
+    )
 
 
 @pytest.mark.vllm

@@ -25,8 +25,8 @@ from flashrl.core.rollout import BACKEND_STATS_KEYS, Rollout, RolloutBackend  # 
 from flashrl.core.sampling import SamplingParams  # noqa: E402
 from flashrl.quant.linear import QuantLinear  # noqa: E402
 from flashrl.vllm_backend import METHOD_NAMES, WeightSync, engine_kwargs  # noqa: E402
-from flashrl.vllm_backend.testing import load_state_dict, save_perturbed_copy, save_tiny_vllm_model  # noqa: E402
 from flashrl.vllm_backend.kernels import kernel_name  # noqa: E402
+from flashrl.vllm_backend.testing import load_state_dict, save_perturbed_copy, save_tiny_vllm_model  # noqa: E402
 from flashrl.vllm_backend.weight_sync import check_fused_complete  # noqa: E402
 
 SCHEMES = ("bf16", "int8", "fp8", "fp8_channel", "fp8_block")
@@ -54,8 +54,12 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_ckpt")
     base = save_tiny_vllm_model(root / "base", family="qwen3", seed=0, initializer_range=0.2)
     perturbed = save_perturbed_copy(base, root / "perturbed", scale=0.2, seed=1)
-    return {"base": base, "perturbed": perturbed,
-            "base_sd": load_state_dict(base), "perturbed_sd": load_state_dict(perturbed)}
+    return {
+        "base": base,
+        "perturbed": perturbed,
+        "base_sd": load_state_dict(base),
+        "perturbed_sd": load_state_dict(perturbed),
+    }
 
 
 def shutdown(llm) -> None:
@@ -73,19 +77,26 @@ def greedy_and_sampled(llm):
     results = []
     for params in (
         vllm.SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True),
-        vllm.SamplingParams(temperature=0.7, top_p=0.9, n=2, seed=3, max_tokens=12, logprobs=0, ignore_eos=True),
+        vllm.SamplingParams(
+            temperature=0.7, top_p=0.9, n=2, seed=3, max_tokens=12, logprobs=0, ignore_eos=True
+        ),
     ):
         for out in llm.generate(PROMPTS, params, use_tqdm=False):
             for c in out.outputs:
-                results.append((list(c.token_ids), [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]))
+                results.append(
+                    (list(c.token_ids), [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)])
+                )
     return results
 
 
 def layer_tensors(llm) -> dict[str, torch.Tensor]:
     """Clones of every parameter of the decoder layers' linear layers (codes, scales)."""
     model = model_of(llm)
-    return {name: p.detach().clone() for name, p in model.model.layers.named_parameters()
-            if "proj" in name}
+    return {
+        name: p.detach().clone()
+        for name, p in model.model.layers.named_parameters()
+        if "proj" in name
+    }
 
 
 def expected_quantlinear(state_dict, layer: int, vllm_name: str, scheme: str) -> QuantLinear:
@@ -109,7 +120,9 @@ def assert_layers_match(llm, state_dict, scheme: str) -> None:
             expected = expected_quantlinear(state_dict, i, vllm_name, scheme)
             where = f"layers.{i}.{vllm_name} ({scheme})"
             assert type(layer.quant_method).__name__ == "FlashRLLinearMethod", where
-            assert torch.equal(layer.weight.view(torch.uint8), expected.weight.view(torch.uint8)), f"codes differ: {where}"
+            assert torch.equal(layer.weight.view(torch.uint8), expected.weight.view(torch.uint8)), (
+                f"codes differ: {where}"
+            )
             assert torch.equal(layer.weight_scale, expected.weight_scale), f"scales differ: {where}"
             row_scale = getattr(layer, "row_scale", None)
             assert (row_scale is None) == (expected.row_scale is None), where
@@ -118,15 +131,21 @@ def assert_layers_match(llm, state_dict, scheme: str) -> None:
             assert (layer.bias is None) == (expected.bias is None), where
             if layer.bias is not None:
                 assert torch.equal(layer.bias, expected.bias), f"bias differs: {where}"
-            x = torch.randn(7, layer.input_size_per_partition, generator=torch.Generator().manual_seed(i),
-                            dtype=torch.bfloat16)
+            x = torch.randn(
+                7,
+                layer.input_size_per_partition,
+                generator=torch.Generator().manual_seed(i),
+                dtype=torch.bfloat16,
+            )
             y = layer.quant_method.apply(layer, x, layer.bias)
             if kernel_name(getattr(layer, "flashrl_kernel_id", -1)) == "flashrl":
                 assert torch.equal(y, expected(x)), f"forward differs: {where}"
             else:  # vLLM's kernel quantizes the activations itself: same math, its own rounding
                 want = expected(x).double()
                 error = float((y.double() - want).norm() / want.norm())
-                assert error < 2e-2, f"forward of {where} via {kernel_name(layer.flashrl_kernel_id)}: {error:.3g}"
+                assert error < 2e-2, (
+                    f"forward of {where} via {kernel_name(layer.flashrl_kernel_id)}: {error:.3g}"
+                )
 
 
 def fresh_record(llm) -> dict:
@@ -139,7 +158,9 @@ def assert_same_state(llm, record: dict, what: str) -> None:
     tensors = layer_tensors(llm)
     assert tensors.keys() == record["tensors"].keys()
     for name, tensor in tensors.items():
-        assert torch.equal(tensor.view(torch.uint8), record["tensors"][name].view(torch.uint8)), f"{name} vs {what}"
+        assert torch.equal(tensor.view(torch.uint8), record["tensors"][name].view(torch.uint8)), (
+            f"{name} vs {what}"
+        )
 
 
 @pytest.fixture(scope="module", params=SCHEMES)
@@ -151,8 +172,13 @@ def engine(request, checkpoints):
     perturbed_fresh = fresh_record(reference)
     shutdown(reference)
     llm = vllm.LLM(str(checkpoints["base"]), **LLM_ARGS, **engine_kwargs(scheme))
-    yield {"scheme": scheme, "llm": llm, "sync": WeightSync(llm),
-           "base_fresh": fresh_record(llm), "perturbed_fresh": perturbed_fresh}
+    yield {
+        "scheme": scheme,
+        "llm": llm,
+        "sync": WeightSync(llm),
+        "base_fresh": fresh_record(llm),
+        "perturbed_fresh": perturbed_fresh,
+    }
     shutdown(llm)
 
 
@@ -187,28 +213,42 @@ def test_reload_equals_fresh_engine(engine, checkpoints):
     fresh load. The kernel tensors keep their storage (in-place reload); the prefix cache, filled
     with the other weights' KV in between, is not reused."""
     scheme, llm, sync = engine["scheme"], engine["llm"], engine["sync"]
-    ptrs = {name: p.data_ptr() for name, p in model_of(llm).model.layers.named_parameters() if "proj" in name}
+    ptrs = {
+        name: p.data_ptr()
+        for name, p in model_of(llm).model.layers.named_parameters()
+        if "proj" in name
+    }
 
     timings = sync.push(checkpoints["perturbed_sd"].items())
     assert timings["chunks"] == 2 + 2  # embeddings, 2 decoder layers, final norm
     assert timings["layers_requantized"] == (0 if scheme == "bf16" else 8)
     assert timings["requant_s"] >= 0 and timings["transfer_s"] > 0
     assert engine["perturbed_fresh"]["outputs"] != engine["base_fresh"]["outputs"]
-    assert_same_state(llm, engine["perturbed_fresh"], "a fresh engine from the perturbed checkpoint")
+    assert_same_state(
+        llm, engine["perturbed_fresh"], "a fresh engine from the perturbed checkpoint"
+    )
     if scheme != "bf16":
         assert_layers_match(llm, checkpoints["perturbed_sd"], scheme)
 
     sync.push(checkpoints["base_sd"].items())
     assert_same_state(llm, engine["base_fresh"], "the engine's own fresh load")
-    assert {name: p.data_ptr() for name, p in model_of(llm).model.layers.named_parameters() if "proj" in name} == ptrs
+    assert {
+        name: p.data_ptr()
+        for name, p in model_of(llm).model.layers.named_parameters()
+        if "proj" in name
+    } == ptrs
 
 
-@pytest.mark.parametrize("engine", ["bf16", "int8"], indirect=True)  # one unquantized, one quantized
+@pytest.mark.parametrize(
+    "engine", ["bf16", "int8"], indirect=True
+)  # one unquantized, one quantized
 def test_dummy_load_then_push_equals_fresh_engine(engine, checkpoints):
     """The RL start-up pattern: ``load_format="dummy"`` (random weights, nothing read from disk),
     then the trainer's first push. Also covers the tied LM head, whose CPU GEMM handle vLLM packs
     at load time and does not repack on reload (flashrl's transfer backend repacks it)."""
-    llm = vllm.LLM(str(checkpoints["base"]), **LLM_ARGS, load_format="dummy", **engine_kwargs(engine["scheme"]))
+    llm = vllm.LLM(
+        str(checkpoints["base"]), **LLM_ARGS, load_format="dummy", **engine_kwargs(engine["scheme"])
+    )
     try:
         assert greedy_and_sampled(llm) != engine["base_fresh"]["outputs"]
         WeightSync(llm).push(checkpoints["base_sd"].items())
@@ -220,8 +260,14 @@ def test_dummy_load_then_push_equals_fresh_engine(engine, checkpoints):
 def test_qkv_bias_model_layers_and_reload(tmp_path):
     """Qwen2 (q/k/v bias; hidden 128 for head_dim 32), int8: fused biases equal QuantLinear's and
     the quantized forward adds them exactly; after a push the engine equals a fresh engine."""
-    base = save_tiny_vllm_model(tmp_path / "base", family="qwen2", seed=0, initializer_range=0.2,
-                                hidden_size=128, intermediate_size=256)
+    base = save_tiny_vllm_model(
+        tmp_path / "base",
+        family="qwen2",
+        seed=0,
+        initializer_range=0.2,
+        hidden_size=128,
+        intermediate_size=256,
+    )
     perturbed = save_perturbed_copy(base, tmp_path / "perturbed", scale=0.2, seed=1)
     reference = vllm.LLM(str(perturbed), **LLM_ARGS, **engine_kwargs("int8"))
     perturbed_fresh = fresh_record(reference)
@@ -244,15 +290,26 @@ def test_qkv_bias_model_layers_and_reload(tmp_path):
 def test_backend_implements_rollout_protocol(checkpoints):
     from flashrl.vllm_backend import VLLMBackend
 
-    with VLLMBackend(str(checkpoints["perturbed"]), "int8", dtype=torch.bfloat16, seed=0,
-                     enforce_eager=True, max_model_len=128, max_num_seqs=16) as backend:
+    with VLLMBackend(
+        str(checkpoints["perturbed"]),
+        "int8",
+        dtype=torch.bfloat16,
+        seed=0,
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=16,
+    ) as backend:
         assert isinstance(backend, RolloutBackend)
         tokenizer = backend.llm.get_tokenizer()
         ids = tokenizer("1+1=")["input_ids"]
-        params = SamplingParams(temperature=0.7, top_p=0.9, n=3, max_tokens=8, seed=5, raw_logprobs=True)
+        params = SamplingParams(
+            temperature=0.7, top_p=0.9, n=3, max_tokens=8, seed=5, raw_logprobs=True
+        )
         rollouts = backend.generate(["Hello world", ids], params)
         assert len(rollouts) == 6 and all(isinstance(r, Rollout) for r in rollouts)
-        assert [(r.prompt_index, r.sample_index) for r in rollouts] == [(p, s) for p in range(2) for s in range(3)]
+        assert [(r.prompt_index, r.sample_index) for r in rollouts] == [
+            (p, s) for p in range(2) for s in range(3)
+        ]
         assert rollouts[3].prompt_ids == ids
         for r in rollouts:
             assert len(r.logprobs) == len(r.response_ids) == len(r.raw_logprobs) >= 1
@@ -262,8 +319,10 @@ def test_backend_implements_rollout_protocol(checkpoints):
                 assert r.response_ids[-1] == tokenizer.eos_token_id  # the stop token is included
         assert rollouts[0].logprobs != rollouts[0].raw_logprobs  # temperature 0.7: processed != raw
 
-        greedy = backend.generate(["abc"], SamplingParams(temperature=0, n=2, max_tokens=6, ignore_eos=True,
-                                                          raw_logprobs=True))
+        greedy = backend.generate(
+            ["abc"],
+            SamplingParams(temperature=0, n=2, max_tokens=6, ignore_eos=True, raw_logprobs=True),
+        )
         assert len(greedy) == 2 and greedy[0].response_ids == greedy[1].response_ids
         assert len(greedy[0].response_ids) == 6 and greedy[0].finish_reason == "length"
         # Greedy: processed = raw (no temperature); the raw pass (one bf16 prefill) aligns token by token.
@@ -272,10 +331,18 @@ def test_backend_implements_rollout_protocol(checkpoints):
 
         timings = backend.update_weights(checkpoints["base_sd"].items())
         assert {"transfer_s", "requant_s", "reset_cache_s", "total_s"} <= timings.keys()
-        assert backend.generate(["abc"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].response_ids \
+        assert (
+            backend.generate(["abc"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[
+                0
+            ].response_ids
             != greedy[0].response_ids
+        )
         stats = backend.stats()
-        assert stats["sequences"] == 9 and stats["weight_updates"] == 1 and stats["generated_tokens"] > 0
+        assert (
+            stats["sequences"] == 9
+            and stats["weight_updates"] == 1
+            and stats["generated_tokens"] > 0
+        )
         assert set(BACKEND_STATS_KEYS) <= stats.keys()  # the stats schema every backend fills
 
 
@@ -290,7 +357,9 @@ def test_engine_kwargs_per_scheme():
         assert kwargs["quantization"] == f"flashrl_{scheme}"
         assert kwargs["logprobs_mode"] == "processed_logprobs"
         assert kwargs["weight_transfer_config"] == {"backend": "flashrl"}
-        assert kwargs["worker_extension_cls"] == "flashrl.vllm_backend.transfer.FlashRLWorkerExtension"
+        assert (
+            kwargs["worker_extension_cls"] == "flashrl.vllm_backend.transfer.FlashRLWorkerExtension"
+        )
         assert "hf_overrides" not in kwargs and "kv_cache_dtype" not in kwargs
     assert "quantization" not in engine_kwargs("bf16")
     assert engine_kwargs(RolloutConfig(logprobs_mode="raw"))["logprobs_mode"] == "raw_logprobs"
@@ -303,10 +372,13 @@ def test_engine_kwargs_reads_flashrl_config(monkeypatch, tmp_path):
     monkeypatch.setenv("FLASHRL_CONFIG", "fp8_block")
     assert engine_kwargs()["quantization"] == "flashrl_fp8_block"
     assert engine_kwargs("int8")["quantization"] == "flashrl_int8"  # an explicit scheme wins
-    path = RolloutConfig(quant="int8", skip=("lm_head", "*.down_proj")).to_yaml(tmp_path / "flashrl.yaml")
+    path = RolloutConfig(quant="int8", skip=("lm_head", "*.down_proj")).to_yaml(
+        tmp_path / "flashrl.yaml"
+    )
     monkeypatch.setenv("FLASHRL_CONFIG", str(path))
     assert engine_kwargs()["hf_overrides"] == {
-        "quantization_config": {"quant_method": "flashrl_int8", "skip": ["lm_head", "*.down_proj"]}}
+        "quantization_config": {"quant_method": "flashrl_int8", "skip": ["lm_head", "*.down_proj"]}
+    }
 
 
 def test_engine_kwargs_rejects_what_vllm_cannot_do_and_accepts_fp8_kv():
@@ -314,7 +386,9 @@ def test_engine_kwargs_rejects_what_vllm_cannot_do_and_accepts_fp8_kv():
         engine_kwargs(RolloutConfig(quant="int8", lm_head_fp32=True))
     # fp8 KV with calibrated scales is supported: WeightSync recalibrates after every push (test_vllm_kv.py)
     assert engine_kwargs(RolloutConfig(kv_cache_dtype="fp8"))["kv_cache_dtype"] == "fp8"
-    assert engine_kwargs(RolloutConfig(kv_cache_dtype="fp8", kv_scale=1.0))["kv_cache_dtype"] == "fp8"
+    assert (
+        engine_kwargs(RolloutConfig(kv_cache_dtype="fp8", kv_scale=1.0))["kv_cache_dtype"] == "fp8"
+    )
     with pytest.raises(ValueError, match="scheme='int4' is invalid; allowed: bf16, int8"):
         engine_kwargs("int4")
 
@@ -322,11 +396,19 @@ def test_engine_kwargs_rejects_what_vllm_cannot_do_and_accepts_fp8_kv():
 def test_skip_patterns_on_fused_layers():
     from flashrl.vllm_backend.quant_methods import FlashRLInt8Config
 
-    config = FlashRLInt8Config.from_config({"quant_method": "flashrl_int8", "skip": ["*.down_proj", "*.q_proj"]})
-    config.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    config = FlashRLInt8Config.from_config(
+        {"quant_method": "flashrl_int8", "skip": ["*.down_proj", "*.q_proj"]}
+    )
+    config.packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
     assert config.is_skipped("model.layers.0.mlp.down_proj")
     assert not config.is_skipped("model.layers.0.mlp.gate_up_proj")
-    with pytest.raises(ValueError, match="match only .*q_proj.* of the tensors vLLM fuses into model.layers.0.self_attn.qkv_proj"):
+    with pytest.raises(
+        ValueError,
+        match="match only .*q_proj.* of the tensors vLLM fuses into model.layers.0.self_attn.qkv_proj",
+    ):
         config.is_skipped("model.layers.0.self_attn.qkv_proj")
     config = FlashRLInt8Config(skip=["*.q_proj", "*.k_proj", "*.v_proj"])
     config.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
@@ -338,10 +420,14 @@ def test_skip_patterns_on_fused_layers():
 
 
 def test_weight_sync_refuses_partial_fused_groups():
-    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"] + ["model.layers.0.mlp.gate_proj.weight",
-                                                                              "model.layers.0.mlp.up_proj.weight"]
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"] + [
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    ]
     check_fused_complete(names)
-    with pytest.raises(ValueError, match=r"q_proj.weight is sent without .*k_proj.weight, .*v_proj.weight"):
+    with pytest.raises(
+        ValueError, match=r"q_proj.weight is sent without .*k_proj.weight, .*v_proj.weight"
+    ):
         check_fused_complete(["model.layers.0.self_attn.q_proj.weight"])
     with pytest.raises(ValueError, match=r"up_proj.bias is sent without .*gate_proj.bias"):
         check_fused_complete(names + ["model.layers.0.mlp.up_proj.bias"])
@@ -349,8 +435,8 @@ def test_weight_sync_refuses_partial_fused_groups():
 
 def test_weight_sync_needs_the_flashrl_transfer_backend():
     class FakeLLM:
-        class llm_engine:  # noqa: N801
-            class vllm_config:  # noqa: N801
+        class llm_engine:
+            class vllm_config:
                 weight_transfer_config = None
 
     with pytest.raises(ValueError, match="WeightSync needs 'flashrl'"):

@@ -40,12 +40,21 @@ LLM_ARGS = dict(dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0,
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("direct_load")
-    dims = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                initializer_range=0.2)
+    dims = dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+    )
     base = save_tiny_vllm_model(root / "base", family="qwen2", seed=0, **dims)
     perturbed = save_perturbed_copy(base, root / "perturbed", scale=0.2, seed=1)
-    return {"base": base, "perturbed": perturbed,
-            "base_sd": load_state_dict(base), "perturbed_sd": load_state_dict(perturbed)}
+    return {
+        "base": base,
+        "perturbed": perturbed,
+        "base_sd": load_state_dict(base),
+        "perturbed_sd": load_state_dict(perturbed),
+    }
 
 
 def make_llm(path, scheme):
@@ -77,11 +86,17 @@ def outputs(llm):
     """Greedy and seeded sampled tokens with processed logprobs (the LM head is exercised)."""
     llm.reset_prefix_cache()
     results = []
-    for params in (vllm.SamplingParams(temperature=0, max_tokens=10, logprobs=0, ignore_eos=True),
-                   vllm.SamplingParams(temperature=0.8, n=2, seed=5, max_tokens=10, logprobs=0, ignore_eos=True)):
+    for params in (
+        vllm.SamplingParams(temperature=0, max_tokens=10, logprobs=0, ignore_eos=True),
+        vllm.SamplingParams(
+            temperature=0.8, n=2, seed=5, max_tokens=10, logprobs=0, ignore_eos=True
+        ),
+    ):
         for out in llm.generate(PROMPTS, params, use_tqdm=False):
             for c in out.outputs:
-                results.append((list(c.token_ids), [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]))
+                results.append(
+                    (list(c.token_ids), [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)])
+                )
     return results
 
 
@@ -89,8 +104,11 @@ def assert_same(actual: dict, expected: dict, what: str) -> None:
     assert actual.keys() == expected.keys(), what
     for name in expected:
         a, e = actual[name], expected[name]
-        same = torch.equal(a.view(torch.uint8), e.view(torch.uint8)) if a.dtype != e.dtype or a.element_size() == 1 \
+        same = (
+            torch.equal(a.view(torch.uint8), e.view(torch.uint8))
+            if a.dtype != e.dtype or a.element_size() == 1
             else torch.equal(a, e)
+        )
         assert a.dtype == e.dtype and same, f"{what}: {name} differs from a fresh load"
 
 
@@ -118,11 +136,15 @@ def verl_buckets(state_dict):
     """verl's current sharding manager: buckets of a few tensors, a q/k/v or gate/up group split
     across two buckets (the final `process_weights_after_loading` call is made by the test)."""
     items = list(state_dict.items())
-    return [items[i:i + 5] for i in range(0, len(items), 5)]
+    return [items[i : i + 5] for i in range(0, len(items), 5)]
 
 
-PATTERNS = {"per_tensor_shuffled": per_tensor_shuffled, "all_at_once": all_at_once, "qkv_split": qkv_split,
-            "verl_buckets": verl_buckets}
+PATTERNS = {
+    "per_tensor_shuffled": per_tensor_shuffled,
+    "all_at_once": all_at_once,
+    "qkv_split": qkv_split,
+    "verl_buckets": verl_buckets,
+}
 
 
 @pytest.mark.parametrize("scheme", QUANT_SCHEMES)
@@ -146,7 +168,9 @@ def test_direct_load_patterns_equal_a_fresh_load(checkpoints, scheme):
             config = llm.llm_engine.vllm_config.model_config
             process_weights_after_loading(model, config, next(model.parameters()).device)
         assert_same(snapshot(llm), fresh[target][0], f"{scheme}/{name}")
-        assert outputs(llm) == fresh[target][1], f"{scheme}/{name}: generation differs from a fresh engine"
+        assert outputs(llm) == fresh[target][1], (
+            f"{scheme}/{name}: generation differs from a fresh engine"
+        )
         assert storages(llm) == addresses, f"{scheme}/{name}: a parameter moved to a new storage"
         target = "base" if target == "perturbed" else "perturbed"
     assert load_stats()["pending_layers"] == 0
@@ -176,7 +200,9 @@ def test_bad_tensor_is_refused_before_the_layer_changes(checkpoints, int8_llm, b
     qname = "model.layers.0.self_attn.q_proj.weight"
     bad_q = new[qname].clone()
     bad_q[0, 0] = float("nan")
-    model.load_weights([("model.layers.0.self_attn.k_proj.weight", new["model.layers.0.self_attn.k_proj.weight"])])
+    model.load_weights(
+        [("model.layers.0.self_attn.k_proj.weight", new["model.layers.0.self_attn.k_proj.weight"])]
+    )
     with pytest.raises(WeightError, match=r"layers\.0\.self_attn\.qkv_proj.*'q'"):
         model.load_weights([(qname, bad_q)])
     assert_same(snapshot(int8_llm), before, f"after a refused {bad} tensor")
@@ -196,21 +222,29 @@ def test_incomplete_fused_group_keeps_old_weights_and_is_reported(checkpoints, i
     for part in ("q_proj", "k_proj"):
         key = f"model.layers.1.self_attn.{part}.weight"
         model.load_weights([(key, new[key])])
-    model.load_weights([("model.layers.1.mlp.gate_proj.weight", new["model.layers.1.mlp.gate_proj.weight"])])
+    model.load_weights(
+        [("model.layers.1.mlp.gate_proj.weight", new["model.layers.1.mlp.gate_proj.weight"])]
+    )
     assert_same(snapshot(int8_llm), before, "after an incomplete group")
     assert load_stats()["pending_layers"] == 2
     with caplog.at_level(logging.WARNING, logger="flashrl"):
         outputs(int8_llm)
-    messages = [r.getMessage() for r in caplog.records if "incomplete weight update" in r.getMessage()]
+    messages = [
+        r.getMessage() for r in caplog.records if "incomplete weight update" in r.getMessage()
+    ]
     assert any("layers.1.self_attn.qkv_proj" in m and "'v'" in m for m in messages), messages
     assert any("layers.1.mlp.gate_up_proj" in m and "'1'" in m for m in messages), messages
     assert load_stats()["incomplete_groups"] == incomplete_before + 2
     outputs(int8_llm)  # reported once per incomplete state, not at every step
     assert load_stats()["incomplete_groups"] == incomplete_before + 2
     # Completing the groups with the old weights restores the engine exactly.
-    for key in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
-                "model.layers.1.self_attn.v_proj.weight", "model.layers.1.mlp.gate_proj.weight",
-                "model.layers.1.mlp.up_proj.weight"):
+    for key in (
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.1.self_attn.v_proj.weight",
+        "model.layers.1.mlp.gate_proj.weight",
+        "model.layers.1.mlp.up_proj.weight",
+    ):
         model.load_weights([(key, checkpoints["base_sd"][key])])
     assert load_stats()["pending_layers"] == 0
     assert_same(snapshot(int8_llm), before, "after completing the groups with the old weights")

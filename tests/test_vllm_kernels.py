@@ -23,8 +23,10 @@ from flashrl.vllm_backend.testing import apply_test_env  # noqa: E402
 apply_test_env()
 
 from flashrl.quant.linear import QuantLinear  # noqa: E402
-from flashrl.vllm_backend import engine_kwargs  # noqa: E402
-from flashrl.vllm_backend import kernels  # noqa: E402
+from flashrl.vllm_backend import (  # noqa: E402
+    engine_kwargs,
+    kernels,
+)
 from flashrl.vllm_backend.kernels import kernel_name  # noqa: E402
 from flashrl.vllm_backend.testing import save_compressed_tensors_int8, save_tiny_vllm_model  # noqa: E402
 
@@ -34,9 +36,17 @@ PROMPTS = ["Hello world", "The quick brown fox", "1+1="]
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    return save_tiny_vllm_model(tmp_path_factory.mktemp("kernels") / "base", family="qwen2", seed=0,
-                                hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                                num_key_value_heads=2, initializer_range=0.2, dtype=torch.bfloat16)
+    return save_tiny_vllm_model(
+        tmp_path_factory.mktemp("kernels") / "base",
+        family="qwen2",
+        seed=0,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        dtype=torch.bfloat16,
+    )
 
 
 def shutdown(llm) -> None:
@@ -50,24 +60,40 @@ def model_of(llm):
 
 def outputs(llm):
     results = []
-    for params in (vllm.SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True),
-                   vllm.SamplingParams(temperature=0.8, n=2, seed=5, max_tokens=12, logprobs=0, ignore_eos=True)):
+    for params in (
+        vllm.SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True),
+        vllm.SamplingParams(
+            temperature=0.8, n=2, seed=5, max_tokens=12, logprobs=0, ignore_eos=True
+        ),
+    ):
         for out in llm.generate(PROMPTS, params, use_tqdm=False):
             for c in out.outputs:
-                results.append((list(c.token_ids), [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]))
+                results.append(
+                    (list(c.token_ids), [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)])
+                )
     return results
 
 
-def test_int8_runs_vllms_kernel_and_equals_a_prequantized_checkpoint(base, tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr(kernels, "_logged", set())  # the choice is logged once per process and scheme
+def test_int8_runs_vllms_kernel_and_equals_a_prequantized_checkpoint(
+    base, tmp_path, caplog, monkeypatch
+):
+    monkeypatch.setattr(
+        kernels, "_logged", set()
+    )  # the choice is logged once per process and scheme
     with caplog.at_level(logging.INFO, logger="flashrl"):
         llm = vllm.LLM(str(base), **engine_kwargs("int8"), **LLM_ARGS)
     model = model_of(llm)
     layer = model.model.layers[0].self_attn.qkv_proj
     assert kernel_name(layer.flashrl_kernel_id) == "CPUInt8ScaledMMLinearKernel"
-    assert any("flashrl_int8: vLLM's CPUInt8ScaledMMLinearKernel" in r.getMessage() for r in caplog.records)
+    assert any(
+        "flashrl_int8: vLLM's CPUInt8ScaledMMLinearKernel" in r.getMessage() for r in caplog.records
+    )
     online = outputs(llm)
-    codes = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(("weight", "weight_scale"))}
+    codes = {
+        n: p.detach().clone()
+        for n, p in model.named_parameters()
+        if n.endswith(("weight", "weight_scale"))
+    }
     shutdown(llm)
 
     save_compressed_tensors_int8(base, tmp_path / "w8a8")
@@ -85,18 +111,33 @@ def test_every_scheme_forward_is_quantlinear_up_to_rounding(base, scheme, caplog
     monkeypatch.setattr(kernels, "_logged", set())
     with caplog.at_level(logging.INFO, logger="flashrl"):
         llm = vllm.LLM(str(base), **engine_kwargs(scheme), **LLM_ARGS)
-    assert any(r.getMessage().startswith(f"flashrl_{scheme}: ") for r in caplog.records), "kernel choice not logged"
-    for layer in (m for n, m in model_of(llm).named_modules() if n.endswith(("qkv_proj", "down_proj"))):
-        reference = QuantLinear(layer.input_size_per_partition, layer.output_size_per_partition, scheme,
-                                shard_sizes=layer.logical_widths, dtype=torch.bfloat16)
+    assert any(r.getMessage().startswith(f"flashrl_{scheme}: ") for r in caplog.records), (
+        "kernel choice not logged"
+    )
+    for layer in (
+        m for n, m in model_of(llm).named_modules() if n.endswith(("qkv_proj", "down_proj"))
+    ):
+        reference = QuantLinear(
+            layer.input_size_per_partition,
+            layer.output_size_per_partition,
+            scheme,
+            shard_sizes=layer.logical_widths,
+            dtype=torch.bfloat16,
+        )
         reference.weight.copy_(layer.weight)
         reference.weight_scale.copy_(layer.weight_scale)
         if reference.row_scale is not None:
             reference.row_scale.copy_(layer.row_scale)
-        x = torch.randn(9, layer.input_size_per_partition, generator=torch.Generator().manual_seed(1),
-                        dtype=torch.bfloat16)
+        x = torch.randn(
+            9,
+            layer.input_size_per_partition,
+            generator=torch.Generator().manual_seed(1),
+            dtype=torch.bfloat16,
+        )
         got = layer.quant_method.apply(layer, x).double()
         want = reference(x).double()
         error = float((got - want).norm() / want.norm())
-        assert error < 2e-2, f"{scheme} via {kernel_name(layer.flashrl_kernel_id)}: relative error {error:.3g}"
+        assert error < 2e-2, (
+            f"{scheme} via {kernel_name(layer.flashrl_kernel_id)}: relative error {error:.3g}"
+        )
     shutdown(llm)

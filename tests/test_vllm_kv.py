@@ -29,8 +29,12 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 from flashrl.core.config import RolloutConfig  # noqa: E402
 from flashrl.engine import Engine, SamplingParams  # noqa: E402
-from flashrl.model.kv_calibration import calibrate_from_weights, checkpoint_getter, fallback_sequences  # noqa: E402
 from flashrl.model.config import ModelConfig  # noqa: E402
+from flashrl.model.kv_calibration import (  # noqa: E402
+    calibrate_from_weights,
+    checkpoint_getter,
+    fallback_sequences,
+)
 from flashrl.vllm_backend import VLLMBackend, WeightSync, engine_kwargs  # noqa: E402
 from flashrl.vllm_backend.testing import load_state_dict, save_tiny_vllm_model  # noqa: E402
 
@@ -40,12 +44,20 @@ FP8_KV = RolloutConfig(kv_cache_dtype="fp8")
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    path = save_tiny_vllm_model(tmp_path_factory.mktemp("vllm_kv") / "base", family="qwen3", seed=0, initializer_range=0.2)
+    path = save_tiny_vllm_model(
+        tmp_path_factory.mktemp("vllm_kv") / "base", family="qwen3", seed=0, initializer_range=0.2
+    )
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (40,), generator=gen).tolist() for _ in range(4)]
     reference = vllm.LLM(str(path), dtype="bfloat16", seed=0, **LLM_ARGS, **engine_kwargs("bf16"))
     backend = VLLMBackend(path, FP8_KV, **LLM_ARGS)
-    yield {"path": path, "state": load_state_dict(path), "prompts": prompts, "reference": reference, "backend": backend}
+    yield {
+        "path": path,
+        "state": load_state_dict(path),
+        "prompts": prompts,
+        "reference": reference,
+        "backend": backend,
+    }
     backend.close()
     reference.llm_engine.engine_core.shutdown()
     gc.collect()
@@ -54,13 +66,21 @@ def setup(tmp_path_factory):
 def prompt_logprobs(llm, prompts) -> torch.Tensor:
     params = vllm.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return torch.cat([torch.tensor([step[t].logprob for step, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])])
-                      for o in outs])
+    return torch.cat(
+        [
+            torch.tensor(
+                [step[t].logprob for step, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+            )
+            for o in outs
+        ]
+    )
 
 
 def scales(llm) -> dict[str, torch.Tensor]:
     layers = llm.collective_rpc("flashrl_kv_scales")[0]
-    assert all(x["k"] == x["k_float"] and x["v"] == x["v_float"] for x in layers), "device and host scales differ"
+    assert all(x["k"] == x["k_float"] and x["v"] == x["v_float"] for x in layers), (
+        "device and host scales differ"
+    )
     return {name: torch.tensor([x[name] for x in layers]) for name in ("k", "v", "q")}
 
 
@@ -79,12 +99,16 @@ def scale_kv(state: dict[str, torch.Tensor], factor: float) -> dict[str, torch.T
 
 def test_engine_kwargs_for_fp8_kv():
     kwargs = engine_kwargs(FP8_KV)
-    assert kwargs["kv_cache_dtype"] == "fp8" and kwargs["additional_config"] == {"flashrl_kv_scale": "calibrated"}
+    assert kwargs["kv_cache_dtype"] == "fp8" and kwargs["additional_config"] == {
+        "flashrl_kv_scale": "calibrated"
+    }
     fixed = engine_kwargs(RolloutConfig(kv_cache_dtype="fp8", kv_scale=0.05))
     assert fixed["additional_config"] == {"flashrl_kv_scale": 0.05}
     assert "additional_config" not in engine_kwargs("int8")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="fp8_per_token_head KV cache, which vLLM 0.32 runs only in CUDA"):
+        with pytest.raises(
+            ValueError, match="fp8_per_token_head KV cache, which vLLM 0.32 runs only in CUDA"
+        ):
             engine_kwargs(RolloutConfig(kv_cache_dtype="fp8", kv_scale="dynamic"))
 
 
@@ -94,25 +118,36 @@ def test_start_up_and_first_prompts_calibrate_like_the_builtin_engine(setup):
     function for both backends)."""
     backend, path = setup["backend"], setup["path"]
     config = ModelConfig.from_model_dir(path)
-    expected = calibrate_from_weights(checkpoint_getter(path), config, fallback_sequences(config.vocab_size),
-                                      include_q=True)
+    expected = calibrate_from_weights(
+        checkpoint_getter(path), config, fallback_sequences(config.vocab_size), include_q=True
+    )
     start = scales(backend.llm)
     assert torch.equal(start["k"], expected.k[:, 0]) and torch.equal(start["v"], expected.v[:, 0])
     assert torch.equal(start["q"], expected.q)
     assert backend.sync.kv.from_fallback and backend.stats()["kv_calibration_s"] > 0
     prompts = setup["prompts"][:2]
-    backend.generate(prompts, SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=0, ignore_eos=True))
+    backend.generate(
+        prompts, SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=0, ignore_eos=True)
+    )
     assert not backend.sync.kv.from_fallback
-    engine = Engine(path, dtype="bf16", device="cpu", progress=False, kv_cache_dtype="fp8", max_len=128)
+    engine = Engine(
+        path, dtype="bf16", device="cpu", progress=False, kv_cache_dtype="fp8", max_len=128
+    )
     engine.calibrate_kv(prompts)
     assert torch.equal(scales(backend.llm)["k"], engine.kv_scales.k[:, 0])
     assert torch.equal(scales(backend.llm)["v"], engine.kv_scales.v[:, 0])
-    recent = backend.sync.kv.recent.sequences()  # prompt + response, one sample of each prompt first
-    assert [s[:40] for s in recent[:2]] == prompts and all(len(s) == 48 for s in recent) and len(recent) == 4
+    recent = (
+        backend.sync.kv.recent.sequences()
+    )  # prompt + response, one sample of each prompt first
+    assert (
+        [s[:40] for s in recent[:2]] == prompts
+        and all(len(s) == 48 for s in recent)
+        and len(recent) == 4
+    )
 
 
 def test_push_that_scales_kv_recalibrates_and_stays_accurate(setup):
-    backend, sync, llm = setup["backend"], setup["backend"].sync, setup["backend"].llm
+    sync, llm = setup["backend"].sync, setup["backend"].llm
     prompts, state = setup["prompts"], setup["state"]
     reference = prompt_logprobs(setup["reference"], prompts)
     calibration = prompts[:2]
@@ -140,15 +175,27 @@ def test_push_that_scales_kv_recalibrates_and_stays_accurate(setup):
 
 def test_push_recalibrates_on_remembered_rollouts_and_refuses_partial_pushes(setup):
     backend, sync = setup["backend"], setup["backend"].sync
-    outs = backend.generate(setup["prompts"][2:], SamplingParams(temperature=1.0, max_tokens=6, seed=1, ignore_eos=True))
+    outs = backend.generate(
+        setup["prompts"][2:], SamplingParams(temperature=1.0, max_tokens=6, seed=1, ignore_eos=True)
+    )
     timings = backend.update_weights(setup["state"].items())
-    assert timings["kv_calibration_s"] > 0 and backend.stats()["kv_calibration_s"] > timings["kv_calibration_s"]
+    assert (
+        timings["kv_calibration_s"] > 0
+        and backend.stats()["kv_calibration_s"] > timings["kv_calibration_s"]
+    )
     recent = sync.kv.recent.sequences()
     assert recent[: len(outs)] == [o.prompt_ids + o.response_ids for o in outs]  # newest first
     assert sync.kv.scales.tokens == sum(map(len, recent))
     version = sync.version
     with pytest.raises(ValueError, match="this push lacks model.embed_tokens.weight"):
-        sync.push([("model.layers.0.mlp.down_proj.weight", setup["state"]["model.layers.0.mlp.down_proj.weight"])])
+        sync.push(
+            [
+                (
+                    "model.layers.0.mlp.down_proj.weight",
+                    setup["state"]["model.layers.0.mlp.down_proj.weight"],
+                )
+            ]
+        )
     assert sync.version == version, "nothing may be sent when the push is refused"
     with pytest.raises(ValueError, match="calibrate_kv reads the checkpoint on disk"):
         sync.calibrate_kv(setup["prompts"])
@@ -157,7 +204,9 @@ def test_push_recalibrates_on_remembered_rollouts_and_refuses_partial_pushes(set
 def test_fixed_kv_scale_is_reapplied_after_every_push(setup):
     llm = setup["backend"].llm
     fixed = WeightSync(llm, kv_scale=0.05)
-    assert torch.all(scales(llm)["k"] == torch.tensor(0.05)) and torch.all(scales(llm)["v"] == torch.tensor(0.05))
+    assert torch.all(scales(llm)["k"] == torch.tensor(0.05)) and torch.all(
+        scales(llm)["v"] == torch.tensor(0.05)
+    )
     timings = fixed.push(setup["state"].items())
     assert timings["kv_calibration_s"] >= 0 and torch.all(scales(llm)["k"] == torch.tensor(0.05))
     with pytest.raises(ValueError, match="kv_scale=0.1 needs an engine with kv_cache_dtype='fp8'"):
@@ -175,7 +224,9 @@ def test_flashrl_config_fp8_kv_in_a_fresh_multiprocess_engine(setup, tmp_path):
     from test_vllm_processes import run_script
 
     config = RolloutConfig(quant="int8", kv_cache_dtype="fp8").to_yaml(tmp_path / "flashrl.yaml")
-    result = run_script(tmp_path, f"""
+    result = run_script(
+        tmp_path,
+        f"""
         import json
         from vllm import LLM, SamplingParams
         from flashrl.vllm_backend import WeightSync
@@ -200,7 +251,9 @@ def test_flashrl_config_fp8_kv_in_a_fresh_multiprocess_engine(setup, tmp_path):
                 "transport": sync.transport, "kv_calibration_s": timings["kv_calibration_s"],
                 "follows_scales": greedy(llm) != calibrated,
             }}))
-    """, env={"FLASHRL_CONFIG": str(config), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    """,
+        env={"FLASHRL_CONFIG": str(config), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )
     assert result["cache_dtype"] == "fp8" and result["quantization"] == "flashrl_int8"
     assert result["transport"] == "file" and result["kv_calibration_s"] > 0
     assert all(0.001 < layer["k"] < 0.1 and 0.001 < layer["v"] < 0.1 for layer in result["start"])

@@ -54,8 +54,9 @@ activation-code flips (seen: 2e-2 on 1 of 192 tokens). The 98th percentile stays
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return save_tiny_vllm_model(tmp_path_factory.mktemp("vllm_lp") / "model", family="qwen3", seed=0,
-                                initializer_range=0.2)
+    return save_tiny_vllm_model(
+        tmp_path_factory.mktemp("vllm_lp") / "model", family="qwen3", seed=0, initializer_range=0.2
+    )
 
 
 def hf_reference(model_dir, scheme: str, dtype: str):
@@ -75,8 +76,15 @@ def hf_reference(model_dir, scheme: str, dtype: str):
 
 def sampled_sequences(llm, params: dict) -> list[tuple[list[int], list[int], list[float]]]:
     sp = vllm.SamplingParams(n=2, max_tokens=24, seed=11, logprobs=0, ignore_eos=True, **params)
-    return [(list(o.prompt_token_ids), list(c.token_ids), [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)])
-            for o in llm.generate(PROMPTS, sp, use_tqdm=False) for c in o.outputs]
+    return [
+        (
+            list(o.prompt_token_ids),
+            list(c.token_ids),
+            [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)],
+        )
+        for o in llm.generate(PROMPTS, sp, use_tqdm=False)
+        for c in o.outputs
+    ]
 
 
 def deltas(sequences, reference, params: dict) -> tuple[torch.Tensor, int]:
@@ -100,31 +108,58 @@ def test_processed_logprobs_match_recomputation(model_dir, scheme, dtype):
     @torch.no_grad()
     def hf_score(prompt, response, params):
         logits = hf(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
-        return replay_processed_logprobs(logits, torch.tensor(response), params["temperature"],
-                                         params.get("top_k", 0), params.get("top_p", 1.0))
+        return replay_processed_logprobs(
+            logits,
+            torch.tensor(response),
+            params["temperature"],
+            params.get("top_k", 0),
+            params.get("top_p", 1.0),
+        )
 
-    builtin = Engine(model_dir, quant=scheme, dtype="fp32" if dtype == "float32" else "bf16", device="cpu", progress=False)
+    builtin = Engine(
+        model_dir,
+        quant=scheme,
+        dtype="fp32" if dtype == "float32" else "bf16",
+        device="cpu",
+        progress=False,
+    )
 
     def builtin_score(prompt, response, params):
         return torch.tensor(builtin.score(prompt, response, **params))
 
-    llm = vllm.LLM(str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=128, seed=0, max_num_seqs=16,
-                   **engine_kwargs(scheme))
+    llm = vllm.LLM(
+        str(model_dir),
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=128,
+        seed=0,
+        max_num_seqs=16,
+        **engine_kwargs(scheme),
+    )
     tol = TOLERANCES[(dtype, scheme)]
     report = []
     try:
         for label, params in SAMPLING.items():
             sequences = sampled_sequences(llm, params)
             tokens = sum(len(r) for _, r, _ in sequences)
-            for ref_name, reference in (("transformers_fp32", hf_score), ("flashrl_engine", builtin_score)):
+            for ref_name, reference in (
+                ("transformers_fp32", hf_score),
+                ("flashrl_engine", builtin_score),
+            ):
                 diff, outside = deltas(sequences, reference, params)
                 q98 = torch.quantile(diff, 0.98)
-                report.append(f"{dtype}/{scheme}/{label} vs {ref_name}: max {diff.max():.2e} mean {diff.mean():.2e} "
-                              f"q98 {q98:.2e} outside support {outside}/{tokens}")
+                report.append(
+                    f"{dtype}/{scheme}/{label} vs {ref_name}: max {diff.max():.2e} mean {diff.mean():.2e} "
+                    f"q98 {q98:.2e} outside support {outside}/{tokens}"
+                )
                 if dtype == "bfloat16" and ref_name == "flashrl_engine":
                     continue  # two different bf16 implementations: reported, bounded by the fp32 comparison
-                assert (diff.max() <= tol["max"] and diff.mean() <= tol["mean"] and q98 <= tol["q98"]
-                        and outside <= tol["outside"] * tokens), f"{report[-1]}; tolerances {tol}"
+                assert (
+                    diff.max() <= tol["max"]
+                    and diff.mean() <= tol["mean"]
+                    and q98 <= tol["q98"]
+                    and outside <= tol["outside"] * tokens
+                ), f"{report[-1]}; tolerances {tol}"
     finally:
         print("\n".join(report))
         llm.llm_engine.engine_core.shutdown()

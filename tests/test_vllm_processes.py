@@ -25,7 +25,10 @@ from flashrl.vllm_backend.testing import save_perturbed_copy, save_tiny_vllm_mod
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_proc_ckpt")
     base = save_tiny_vllm_model(root / "base", family="qwen3", seed=0, initializer_range=0.2)
-    return {"base": base, "perturbed": save_perturbed_copy(base, root / "perturbed", scale=0.2, seed=1)}
+    return {
+        "base": base,
+        "perturbed": save_perturbed_copy(base, root / "perturbed", scale=0.2, seed=1),
+    }
 
 
 def run_script(tmp_path, source: str, env: dict[str, str], timeout: int = 400) -> dict:
@@ -34,10 +37,14 @@ def run_script(tmp_path, source: str, env: dict[str, str], timeout: int = 400) -
     script.write_text(textwrap.dedent(source))
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHRL_", "VLLM_"))}
     full_env.update({"VLLM_CPU_KVCACHE_SPACE": "1", **env})
-    proc = subprocess.run([sys.executable, str(script)], env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=full_env, capture_output=True, text=True, timeout=timeout
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"script failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    assert proc.returncode == 0 and lines, (
+        f"script failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_entry_point_is_declared():
@@ -49,7 +56,9 @@ def test_plugin_registers_methods_in_fresh_multiprocess_engine(checkpoints, tmp_
     """A fresh process: ``LLM(model, quantization="flashrl_int8")`` with vLLM's defaults (engine core
     in its own process, model compiled) generates text. The methods reach the engine process only
     through the entry point, and the config class must pickle."""
-    result = run_script(tmp_path, f"""
+    result = run_script(
+        tmp_path,
+        f"""
         import json
         from vllm import LLM, SamplingParams
 
@@ -58,7 +67,9 @@ def test_plugin_registers_methods_in_fresh_multiprocess_engine(checkpoints, tmp_
             out = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
             print("RESULT " + json.dumps({{"text": out[0].outputs[0].text, "ids": list(out[0].outputs[0].token_ids),
                                           "quantization": llm.llm_engine.vllm_config.model_config.quantization}}))
-    """, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    """,
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )
     assert result["quantization"] == "flashrl_int8"
     assert len(result["ids"]) == 8 and result["text"]
 
@@ -68,8 +79,12 @@ def test_flashrl_config_switches_unmodified_script(checkpoints, tmp_path):
     ``LLM(model)``: the hook fills in flashrl's engine arguments; `WeightSync` then reloads the
     multi-process engine through files, and pushing the original weights back restores its
     fresh-load outputs exactly."""
-    config = RolloutConfig(quant="int8", skip=("lm_head", "*.down_proj")).to_yaml(tmp_path / "flashrl.yaml")
-    result = run_script(tmp_path, f"""
+    config = RolloutConfig(quant="int8", skip=("lm_head", "*.down_proj")).to_yaml(
+        tmp_path / "flashrl.yaml"
+    )
+    result = run_script(
+        tmp_path,
+        f"""
         import json
         from vllm import LLM, SamplingParams
         from flashrl.vllm_backend import WeightSync
@@ -99,13 +114,19 @@ def test_flashrl_config_switches_unmodified_script(checkpoints, tmp_path):
                 "base_differs": base != fresh,
                 "restored": greedy(llm) == fresh,
             }}))
-    """, env={"FLASHRL_CONFIG": str(config), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    """,
+        env={"FLASHRL_CONFIG": str(config), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )
     assert result["quantization"] == "flashrl_int8"
     assert result["logprobs_mode"] == "processed_logprobs"
     assert result["transfer_backend"] == "flashrl"
     assert result["methods"] == {
-        f"model.layers.{i}.{name}": "FlashRLDenseLinearMethod" if name == "mlp.down_proj" else "FlashRLLinearMethod"
-        for i in range(2) for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+        f"model.layers.{i}.{name}": "FlashRLDenseLinearMethod"
+        if name == "mlp.down_proj"
+        else "FlashRLLinearMethod"
+        for i in range(2)
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    }
     assert result["transport"] == "file"
     assert result["layers_requantized"] == 6  # 3 quantized linear layers x 2 decoder layers
     assert result["base_differs"] and result["restored"]

@@ -36,10 +36,12 @@ import torch
 
 PROMPT = "12+7="
 """The fixed prompt the engine samples from at the end of every step."""
-FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "self_attn.o_proj": ("self_attn.o_proj",),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-         "mlp.down_proj": ("mlp.down_proj",)}
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
 """vLLM's (Qwen2/Llama) linear layers per decoder layer and the checkpoint tensors each fuses, in order."""
 
 
@@ -52,7 +54,9 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def compare_codes(vllm_model, weights: dict[str, torch.Tensor], scheme: str, dtype: torch.dtype) -> dict[str, Any]:
+def compare_codes(
+    vllm_model, weights: dict[str, torch.Tensor], scheme: str, dtype: torch.dtype
+) -> dict[str, Any]:
     """Compare every vLLM linear layer's codes, scales and bias with flashrl's quantization of `weights`."""
     from flashrl.quant.linear import QuantLinear
 
@@ -64,14 +68,23 @@ def compare_codes(vllm_model, weights: dict[str, torch.Tensor], scheme: str, dty
             module = layer.get_submodule(vllm_name)
             names = [f"model.layers.{i}.{part}" for part in parts]
             fused = torch.cat([weights[f"{n}.weight"] for n in names]).to(dtype)
-            ref = QuantLinear(fused.shape[1], fused.shape[0], scheme, shard_sizes=[weights[f"{n}.weight"].shape[0]
-                              for n in names], dtype=dtype)
+            ref = QuantLinear(
+                fused.shape[1],
+                fused.shape[0],
+                scheme,
+                shard_sizes=[weights[f"{n}.weight"].shape[0] for n in names],
+                dtype=dtype,
+            )
             ref.requantize_(fused)
             codes = getattr(module, "weight", None)
             scale = getattr(module, "weight_scale", None)
-            ok = (codes is not None and scale is not None and codes.dtype == ref.weight.dtype
-                  and torch.equal(codes.view(torch.uint8), ref.weight.view(torch.uint8))
-                  and torch.equal(scale.reshape(ref.weight_scale.shape), ref.weight_scale))
+            ok = (
+                codes is not None
+                and scale is not None
+                and codes.dtype == ref.weight.dtype
+                and torch.equal(codes.view(torch.uint8), ref.weight.view(torch.uint8))
+                and torch.equal(scale.reshape(ref.weight_scale.shape), ref.weight_scale)
+            )
             if f"{names[0]}.bias" in weights:
                 bias = torch.cat([weights[f"{n}.bias"] for n in names]).to(dtype)
                 ok = ok and module.bias is not None and torch.equal(module.bias, bias)
@@ -81,8 +94,14 @@ def compare_codes(vllm_model, weights: dict[str, torch.Tensor], scheme: str, dty
     return {"checked": checked, "mismatched": mismatched}
 
 
-def reference_logprobs(model_dir: str, weights: dict[str, torch.Tensor], scheme: str, dtype: torch.dtype,
-                       ids: list[int], n_prompt: int) -> list[float]:
+def reference_logprobs(
+    model_dir: str,
+    weights: dict[str, torch.Tensor],
+    scheme: str,
+    dtype: torch.dtype,
+    ids: list[int],
+    n_prompt: int,
+) -> list[float]:
     """Logprobs of ``ids[n_prompt:]`` under a transformers model holding `weights`, quantized like the engine."""
     import transformers
 
@@ -130,7 +149,11 @@ def run(args: argparse.Namespace, scheme: str, result: dict[str, Any]) -> None:
     from trl import GRPOConfig, GRPOTrainer
     from vllm import SamplingParams, TokensPrompt
 
-    result["versions"] = {"trl": trl.__version__, "vllm": vllm.__version__, "torch": torch.__version__}
+    result["versions"] = {
+        "trl": trl.__version__,
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+    }
 
     def reward_alternating(completions: list, **kwargs: Any) -> list[float]:
         """0, 1, 0, 1, ...: the two completions of a group always differ, so every step has a gradient."""
@@ -158,38 +181,69 @@ def run(args: argparse.Namespace, scheme: str, result: dict[str, Any]) -> None:
             vllm_model = engine_model(self.trainer)
             tok = self.trainer.processing_class
             prompt_ids = tok(PROMPT)["input_ids"]
-            out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)],
-                               SamplingParams(temperature=1.0, max_tokens=6, logprobs=0, seed=state.global_step,
-                                              ignore_eos=True), use_tqdm=False)[0].outputs[0]
+            out = llm.generate(
+                [TokensPrompt(prompt_token_ids=prompt_ids)],
+                SamplingParams(
+                    temperature=1.0,
+                    max_tokens=6,
+                    logprobs=0,
+                    seed=state.global_step,
+                    ignore_eos=True,
+                ),
+                use_tqdm=False,
+            )[0].outputs[0]
             ids = prompt_ids + list(out.token_ids)
             engine_lp = [float(step[t].logprob) for step, t in zip(out.logprobs, out.token_ids)]
-            ref_now = reference_logprobs(model_dir, self.synced, scheme, dtype, ids, len(prompt_ids))
-            ref_init = reference_logprobs(model_dir, self.initial, scheme, dtype, ids, len(prompt_ids))
+            ref_now = reference_logprobs(
+                model_dir, self.synced, scheme, dtype, ids, len(prompt_ids)
+            )
+            ref_init = reference_logprobs(
+                model_dir, self.initial, scheme, dtype, ids, len(prompt_ids)
+            )
             moved = max(float((self.synced[n] - self.initial[n]).abs().max()) for n in self.initial)
-            result["steps"].append({
-                "global_step": state.global_step,
-                "engine_dtype": str(dtype),
-                "weights_moved_max": moved,
-                "codes_current": compare_codes(vllm_model, self.synced, scheme, dtype),
-                "codes_initial": compare_codes(vllm_model, self.initial, scheme, dtype),
-                "lp_diff_current": sum(abs(a - b) for a, b in zip(engine_lp, ref_now)) / len(engine_lp),
-                "lp_diff_initial": sum(abs(a - b) for a, b in zip(engine_lp, ref_init)) / len(engine_lp),
-                "direct_load": direct_load.load_stats(),
-            })
+            result["steps"].append(
+                {
+                    "global_step": state.global_step,
+                    "engine_dtype": str(dtype),
+                    "weights_moved_max": moved,
+                    "codes_current": compare_codes(vllm_model, self.synced, scheme, dtype),
+                    "codes_initial": compare_codes(vllm_model, self.initial, scheme, dtype),
+                    "lp_diff_current": sum(abs(a - b) for a, b in zip(engine_lp, ref_now))
+                    / len(engine_lp),
+                    "lp_diff_initial": sum(abs(a - b) for a, b in zip(engine_lp, ref_init))
+                    / len(engine_lp),
+                    "direct_load": direct_load.load_stats(),
+                }
+            )
 
     model_dir = args.model_dir
     dataset = Dataset.from_dict({"prompt": ["12+7=", "3+4=", "9+9=", "5+1="] * 4})
     config = GRPOConfig(
         output_dir=os.path.join(os.path.dirname(os.path.abspath(args.out)), "trl_out"),
-        use_vllm=True, vllm_mode="colocate", use_cpu=True, bf16=False,
-        max_completion_length=8, num_generations=2, per_device_train_batch_size=2, max_steps=args.steps,
+        use_vllm=True,
+        vllm_mode="colocate",
+        use_cpu=True,
+        bf16=False,
+        max_completion_length=8,
+        num_generations=2,
+        per_device_train_batch_size=2,
+        max_steps=args.steps,
         # Large on purpose: after one step the weights move far beyond quantization and bf16 noise, so
         # "the engine follows the current weights, not the initial ones" is a clear-cut comparison.
-        learning_rate=3e-2, report_to="none", logging_steps=1, save_strategy="no", seed=0,
+        learning_rate=3e-2,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
     )
     check = SyncCheck()
-    trainer = GRPOTrainer(model=args.model_dir, reward_funcs=reward_alternating, args=config,
-                          train_dataset=dataset, callbacks=[check])
+    trainer = GRPOTrainer(
+        model=args.model_dir,
+        reward_funcs=reward_alternating,
+        args=config,
+        train_dataset=dataset,
+        callbacks=[check],
+    )
     check.trainer = trainer
     result["quantization"] = trainer.vllm_generation.llm.llm_engine.model_config.quantization
     result["train"] = trainer.train().metrics

@@ -34,4 +34,11 @@ class UnsupportedError(FlashRLError, ValueError):
     """The request is valid but cannot run here (device, kernel, library version)."""
 
 
-__all__ = ["CheckpointError", "ConfigError", "FlashRLError", "InputError", "UnsupportedError", "WeightError"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "FlashRLError",
+    "InputError",
+    "UnsupportedError",
+    "WeightError",
+]

@@ -35,8 +35,16 @@ def tiny_config(family: str, **overrides: Any):
     )
     if family == "llama":
         cls = transformers.LlamaConfig
-        base.update(rope_theta=10000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
+        base.update(
+            rope_theta=10000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        )
     elif family == "qwen2":
         cls = transformers.Qwen2Config
         base.update(rope_theta=1000000.0, tie_word_embeddings=True)
@@ -86,19 +94,30 @@ def char_tokenizer(vocab_size: int | None = None):
         vocab.setdefault(ch, len(vocab))
     if vocab_size is not None:
         if vocab_size < len(vocab):
-            raise ValueError(f"vocab_size={vocab_size} is too small; the character tokenizer needs >= {len(vocab)}")
+            raise ValueError(
+                f"vocab_size={vocab_size} is too small; the character tokenizer needs >= {len(vocab)}"
+            )
         for i in range(len(vocab), vocab_size):
             vocab[f"<t{i}>"] = i
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
 
 
 def save_tiny_model(
-    path: str | Path, family: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.float32,
-    tokenizer: bool = False, **overrides: Any,
+    path: str | Path,
+    family: str = "qwen2",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    tokenizer: bool = False,
+    **overrides: Any,
 ) -> Path:
     """Build a random `family` model with `transformers`, save it (safetensors + config.json) to
     `path`; with `tokenizer`, also save the character tokenizer (the vocabulary must hold it)."""

@@ -41,7 +41,9 @@ def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
 
     body = [[cell(r.get(c)) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(b[i]) for b in body]) for i, c in enumerate(columns)]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
     lines += ["| " + " | ".join(v.ljust(w) for v, w in zip(b, widths)) + " |" for b in body]
     return "\n".join(lines)

@@ -110,10 +110,13 @@ class RolloutConfig:
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(set(values) - set(allowed), key=str)
         if unknown:
-            raise ConfigError(f"{source}: unknown key(s) {', '.join(map(str, unknown))}; "
-                              f"allowed: {', '.join(allowed)}")
-        kwargs = {k: tuple(v) if k == "skip" and isinstance(v, list) else v
-                  for k, v in values.items()}
+            raise ConfigError(
+                f"{source}: unknown key(s) {', '.join(map(str, unknown))}; "
+                f"allowed: {', '.join(allowed)}"
+            )
+        kwargs = {
+            k: tuple(v) if k == "skip" and isinstance(v, list) else v for k, v in values.items()
+        }
         try:
             return cls(**kwargs)
         except ConfigError as err:
@@ -133,8 +136,10 @@ class RolloutConfig:
         if "rollout" in data:
             if set(data) != {"rollout"}:
                 extra = ", ".join(sorted(map(str, set(data) - {"rollout"})))
-                raise ConfigError(f"{path}: keys {extra} next to 'rollout:'; "
-                                  "put every config key under 'rollout:'")
+                raise ConfigError(
+                    f"{path}: keys {extra} next to 'rollout:'; "
+                    "put every config key under 'rollout:'"
+                )
             return cls.from_dict(data["rollout"] or {}, source=f"{path} (rollout)")
         return cls.from_dict(data, source=str(path))
 
@@ -161,14 +166,17 @@ def _check_skip(skip: Any) -> tuple[str, ...]:
         raise ConfigError(f"skip must be a list of module-name patterns, got {skip!r}")
     for pattern in skip:
         if not isinstance(pattern, str) or not pattern.strip():
-            raise ConfigError(f"skip must be a list of non-empty module-name patterns, "
-                              f"got {pattern!r} in {list(skip)!r}")
+            raise ConfigError(
+                f"skip must be a list of non-empty module-name patterns, "
+                f"got {pattern!r} in {list(skip)!r}"
+            )
         if pattern.startswith("re:"):
             try:
                 re.compile(pattern[3:])
             except re.error as err:
-                raise ConfigError(f"skip pattern {pattern!r} is not a valid regular expression "
-                                  f"({err})") from None
+                raise ConfigError(
+                    f"skip pattern {pattern!r} is not a valid regular expression ({err})"
+                ) from None
     return tuple(skip)
 
 

@@ -8,8 +8,14 @@ import torch
 
 from flashrl.errors import ConfigError, UnsupportedError
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 """Activation dtypes by name."""
 
 
@@ -37,13 +43,17 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
             built = "without" if torch.version.cuda is None else "with"
-            raise UnsupportedError(f"device={device!r}: CUDA is not available on this machine "
-                                   f"(torch {torch.__version__}, built {built} CUDA); "
-                                   "available: cpu")
+            raise UnsupportedError(
+                f"device={device!r}: CUDA is not available on this machine "
+                f"(torch {torch.__version__}, built {built} CUDA); "
+                "available: cpu"
+            )
         if resolved.index is not None and resolved.index >= count:
             cudas = ", ".join(f"cuda:{i}" for i in range(count))
-            raise UnsupportedError(f"device={device!r}: CUDA is available with {count} device(s); "
-                                   f"available: cpu, {cudas}")
+            raise UnsupportedError(
+                f"device={device!r}: CUDA is available with {count} device(s); "
+                f"available: cpu, {cudas}"
+            )
     elif resolved.type != "cpu":
         raise UnsupportedError(f"device={device!r}: the engine runs on cpu or cuda")
     return resolved

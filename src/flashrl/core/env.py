@@ -34,7 +34,10 @@ from flashrl.errors import ConfigError
 
 LOGGING_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 ENV_VARS = (
-    "FLASHRL_CONFIG", "FLASHRL_LMHEAD_FP32", "FLASHRL_LOGGING_LEVEL", "FLASHRL_LOGGING_FILE"
+    "FLASHRL_CONFIG",
+    "FLASHRL_LMHEAD_FP32",
+    "FLASHRL_LOGGING_LEVEL",
+    "FLASHRL_LOGGING_FILE",
 )
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 """The words `parse_bool` accepts (any case)."""
@@ -93,8 +96,10 @@ def _log_file(value: str | None) -> Path | None:
     if target.is_dir():
         raise ConfigError(f"FLASHRL_LOGGING_FILE={value!r} is a directory; allowed: a file path")
     if not target.parent.is_dir():
-        raise ConfigError(f"FLASHRL_LOGGING_FILE={value!r}: directory {str(target.parent)!r} "
-                          "does not exist; allowed: a file path in an existing directory")
+        raise ConfigError(
+            f"FLASHRL_LOGGING_FILE={value!r}: directory {str(target.parent)!r} "
+            "does not exist; allowed: a file path in an existing directory"
+        )
     return target
 
 
@@ -105,8 +110,10 @@ def _set_file_handler(logger: logging.Logger, target: Path | None, value: str | 
         if target is None or handler.baseFilename != str(target):
             logger.removeHandler(handler)
             handler.close()
-    if target is None or any(isinstance(h, logging.FileHandler) and h.baseFilename == str(target)
-                             for h in logger.handlers):
+    if target is None or any(
+        isinstance(h, logging.FileHandler) and h.baseFilename == str(target)
+        for h in logger.handlers
+    ):
         return
     try:
         handler = logging.FileHandler(target, mode="a", encoding="utf-8")

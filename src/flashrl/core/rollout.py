@@ -65,9 +65,7 @@ class RolloutBackend(Protocol):
         """Sample `params.n` responses per prompt: len(prompts) * n rollouts, prompt-major."""
         ...
 
-    def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
-    ) -> dict[str, float]:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Load new weights by Hugging Face name (re-quantizing in place); returns seconds."""
         ...
 

@@ -14,13 +14,13 @@ from flashrl.errors import ConfigError
 from flashrl.masked import is_number
 
 __all__ = [
+    "BAND_KINDS",
     "DEFAULT_REJECTION_THRESHOLDS",
     "ICEPOP_BAND",
     "MODES",
     "REJECTION_OPTIONS",
     "WEIGHTS",
     "Threshold",
-    "BAND_KINDS",
     "as_pair",
     "check_band",
     "fail",

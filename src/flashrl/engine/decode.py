@@ -95,11 +95,15 @@ def check_compile_mode(mode: str | None, device: torch.device) -> str | None:
     if mode is None or mode is False:
         return None
     if mode not in COMPILE_MODES:
-        raise ConfigError(f"decode_compile={mode!r} is invalid; allowed: None (eager), {', '.join(COMPILE_MODES)}")
+        raise ConfigError(
+            f"decode_compile={mode!r} is invalid; allowed: None (eager), {', '.join(COMPILE_MODES)}"
+        )
     if mode == "reduce-overhead" and device.type != "cuda":
-        raise UnsupportedError("decode_compile='reduce-overhead' captures CUDA graphs and needs a "
-                               f"CUDA device; this engine runs on {device.type}: use 'default' "
-                               "(or None for eager)")
+        raise UnsupportedError(
+            "decode_compile='reduce-overhead' captures CUDA graphs and needs a "
+            f"CUDA device; this engine runs on {device.type}: use 'default' "
+            "(or None for eager)"
+        )
     return mode
 
 
@@ -110,13 +114,22 @@ class DecodeStep:
     `COMPILE_MODES`, None for eager) compiles the padded forward and implies `buckets`.
     """
 
-    def __init__(self, model: Decoder, max_batch: int, max_len: int, device: torch.device,
-                 compile: str | None = None, buckets: bool = False) -> None:
+    def __init__(
+        self,
+        model: Decoder,
+        max_batch: int,
+        max_len: int,
+        device: torch.device,
+        compile: str | None = None,
+        buckets: bool = False,
+    ) -> None:
         self.model, self.max_batch, self.max_len, self.device = model, max_batch, max_len, device
         self.mode = check_compile_mode(compile, device)
         if self.mode is not None and not buckets:
-            raise ConfigError("a compiled decode step needs buckets (static shapes); "
-                              "pass decode_buckets=True or None")
+            raise ConfigError(
+                "a compiled decode step needs buckets (static shapes); "
+                "pass decode_buckets=True or None"
+            )
         self.buckets = buckets
         self.cudagraphs = self.mode in CUDAGRAPH_MODES and device.type == "cuda"
         self._inputs: dict[int, torch.Tensor] = {}
@@ -161,8 +174,9 @@ class DecodeStep:
         positions and the row mask (1 real, 0 padding); attention spans `kv_length` positions."""
         tokens, positions = inputs[0].unsqueeze(1), inputs[1].unsqueeze(1)
         row_mask = inputs[2].to(self.model.dtype).view(-1, 1, 1)
-        batch = ForwardBatch.decode_step(positions, cache, kv_length, self.model.sliding_window,
-                                         row_mask=row_mask)
+        batch = ForwardBatch.decode_step(
+            positions, cache, kv_length, self.model.sliding_window, row_mask=row_mask
+        )
         hidden = self.model.hidden_states(tokens, batch)
         return self.model.logits(hidden[:, 0])
 
@@ -171,18 +185,23 @@ class DecodeStep:
 
         if self.cudagraphs:
             if cache is not self._static_cache:
-                _mark_static(cache.tensors() + list(self.model.parameters()) + list(self.model.buffers()))
+                _mark_static(
+                    cache.tensors() + list(self.model.parameters()) + list(self.model.buffers())
+                )
                 self._static_cache = cache
             # the previous step's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         skips = counters["inductor"]["cudagraph_skips"]
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+        with torch._dynamo.config.patch(
+            recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True
+        ):
             logits = self._compiled(cache, inputs, kv_length)
         if self.cudagraphs and counters["inductor"]["cudagraph_skips"] != skips:
             raise RuntimeError(
                 f"torch.compile(mode={self.mode!r}) ran the decode step without CUDA graphs "
                 "(a cudagraph skip; TORCH_LOGS=perf_hints prints the reason); refusing to "
-                "continue uncaptured")
+                "continue uncaptured"
+            )
         return logits
 
     # ---------------------------------------------------------------- static buffers

@@ -41,8 +41,13 @@ from flashrl.model.weights import WeightMap
 from flashrl.quant.linear import model_nbytes
 from flashrl.utils import synchronize
 
-__all__ = ["DEFAULT_MAX_PREFILL_TOKENS", "Engine", "peak_memory_bytes", "resolve_device",
-           "resolve_dtype"]
+__all__ = [
+    "DEFAULT_MAX_PREFILL_TOKENS",
+    "Engine",
+    "peak_memory_bytes",
+    "resolve_device",
+    "resolve_dtype",
+]
 
 SampleObserver = Callable[[SampledTokens], None]
 
@@ -96,16 +101,29 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
         config = resolve_config(quant, source="quant") if quant is not None else from_env()
-        overrides = dict(lm_head_fp32=lm_head_fp32, skip=tuple(skip) if skip is not None else None,
-                         kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale)
+        overrides = dict(
+            lm_head_fp32=lm_head_fp32,
+            skip=tuple(skip) if skip is not None else None,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_scale=kv_scale,
+        )
         opts = EngineOptions.resolve(
-            self.model_dir, self.model_config, config or RolloutConfig(), overrides,
-            kv_scale_granularity=kv_scale_granularity, device=device, dtype=dtype,
-            max_batch=max_batch, max_len=max_len, kv_cache_memory=kv_cache_memory,
-            max_prefill_tokens=max_prefill_tokens)
+            self.model_dir,
+            self.model_config,
+            config or RolloutConfig(),
+            overrides,
+            kv_scale_granularity=kv_scale_granularity,
+            device=device,
+            dtype=dtype,
+            max_batch=max_batch,
+            max_len=max_len,
+            kv_cache_memory=kv_cache_memory,
+            max_prefill_tokens=max_prefill_tokens,
+        )
         self.config, self.kv_scale_granularity = opts.config, opts.kv_scale_granularity
-        self.kv = KVScaleState(self.config.kv_cache_dtype, self.config.kv_scale,
-                               opts.kv_scale_granularity)
+        self.kv = KVScaleState(
+            self.config.kv_cache_dtype, self.config.kv_scale, opts.kv_scale_granularity
+        )
         self.kv_calibrated = self.kv.calibrated
         self.device, self.dtype = opts.device, opts.dtype
         self.max_len, self.max_batch = opts.max_len, opts.max_batch
@@ -113,17 +131,31 @@ class Engine:
         self.progress, self.seed = progress, seed
         self._load(load_weights, decode_compile, decode_buckets)
 
-    def _load(self, load_weights: bool, decode_compile: str | None,
-              decode_buckets: bool | None) -> None:
+    def _load(
+        self, load_weights: bool, decode_compile: str | None, decode_buckets: bool | None
+    ) -> None:
         """Build the decoder, its weight map and runner; load the checkpoint and tokenizer."""
         start = time.perf_counter()
-        self.model = Decoder(self.model_config, self.config.quant, self.config.skip, self.dtype,
-                             self.device, max_len=self.max_len,
-                             lm_head_fp32=self.config.lm_head_fp32).eval()
+        self.model = Decoder(
+            self.model_config,
+            self.config.quant,
+            self.config.skip,
+            self.dtype,
+            self.device,
+            max_len=self.max_len,
+            lm_head_fp32=self.config.lm_head_fp32,
+        ).eval()
         self.weights = WeightMap(self.model)
-        self.runner = ModelRunner(self.model, self.max_batch, self.max_len, self.device,
-                                  decode_compile, decode_buckets, self.config.kv_cache_dtype,
-                                  self.kv_scale_granularity or "layer")
+        self.runner = ModelRunner(
+            self.model,
+            self.max_batch,
+            self.max_len,
+            self.device,
+            decode_compile,
+            decode_buckets,
+            self.config.kv_cache_dtype,
+            self.kv_scale_granularity or "layer",
+        )
         self.decode = self.runner.decode
         if load_weights:
             self.weights.load_checkpoint(self.model_dir)
@@ -131,10 +163,22 @@ class Engine:
         self.eos_token_ids = inputs.eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
         self._observers: list[SampleObserver] = []
         self._stats: dict[str, float] = dict(
-            load_s=time.perf_counter() - start, generate_calls=0, prompts=0, sequences=0,
-            prompt_tokens=0, generated_tokens=0, generate_s=0.0, prefill_forwards=0,
-            prefill_s=0.0, decode_s=0.0, decode_steps=0, weight_updates=0, sync_s=0.0,
-            transfer_s=0.0, requant_s=0.0)
+            load_s=time.perf_counter() - start,
+            generate_calls=0,
+            prompts=0,
+            sequences=0,
+            prompt_tokens=0,
+            generated_tokens=0,
+            generate_s=0.0,
+            prefill_forwards=0,
+            prefill_s=0.0,
+            decode_s=0.0,
+            decode_steps=0,
+            weight_updates=0,
+            sync_s=0.0,
+            transfer_s=0.0,
+            requant_s=0.0,
+        )
 
     # ------------------------------------------------------------------ weights
 
@@ -175,17 +219,28 @@ class Engine:
         items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         for i, item in enumerate(items):
             if not isinstance(item, tuple | list) or len(item) != 2:
-                raise WeightError(f"update_weights item {i} must be a (name, tensor) pair, "
-                                  f"got {type(item).__name__}")
+                raise WeightError(
+                    f"update_weights item {i} must be a (name, tensor) pair, "
+                    f"got {type(item).__name__}"
+                )
             self.weights.check(*item)
         start = time.perf_counter()
         transfer, requant, changed = self.weights.write(items, self.device, count_changed)
         self.kv.weights_changed()
         kv_calibration = self.calibrate_kv() if self.kv.stale and len(self.kv.recent) else 0.0
-        result = dict(transfer_s=transfer, requant_s=requant, kv_calibration_s=kv_calibration,
-                      total_s=time.perf_counter() - start, tensors=float(len(items)))
-        for key, value in (("transfer_s", transfer), ("requant_s", requant), ("weight_updates", 1),
-                           ("sync_s", result["total_s"])):
+        result = dict(
+            transfer_s=transfer,
+            requant_s=requant,
+            kv_calibration_s=kv_calibration,
+            total_s=time.perf_counter() - start,
+            tensors=float(len(items)),
+        )
+        for key, value in (
+            ("transfer_s", transfer),
+            ("requant_s", requant),
+            ("weight_updates", 1),
+            ("sync_s", result["total_s"]),
+        ):
             self._stats[key] += value
         if count_changed:
             codes = self.weights.quantized_codes()
@@ -243,20 +298,24 @@ class Engine:
         start = time.perf_counter()
         vocab = self.model_config.vocab_size
         params = inputs.check_params(params, vocab, self.model_dir)
-        encoded = inputs.encode_prompts(prompts, self.tokenizer, vocab, self.max_len,
-                                        self.model_dir)
+        encoded = inputs.encode_prompts(
+            prompts, self.tokenizer, vocab, self.max_len, self.model_dir
+        )
         cache = self._ensure_cache()
         self._refresh_kv(encoded)
         base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-        tables = SamplingTables.build([len(ids) for ids in encoded], params, base_seed,
-                                      self.max_len, self.device)
+        tables = SamplingTables.build(
+            [len(ids) for ids in encoded], params, base_seed, self.max_len, self.device
+        )
         scheduler = Scheduler(self.max_batch, self.max_prefill_tokens)
         for group in build_requests(encoded, params, tables, self.max_len):
             scheduler.add(group)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else
-                                                 set(self.eos_token_ids))
-        progress = GenerateProgress(len(encoded) * params.n, self.progress,
-                                    lambda: self._stats["generated_tokens"])
+        stop_ids = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else set(self.eos_token_ids)
+        )
+        progress = GenerateProgress(
+            len(encoded) * params.n, self.progress, lambda: self._stats["generated_tokens"]
+        )
         while scheduler.has_work:
             self._run(scheduler.schedule(), cache, params)
             progress.update(scheduler.postprocess(stop_ids, cache.move_slot))
@@ -265,8 +324,12 @@ class Engine:
         if self.kv.calibrated:  # the calibration set: sample 0 of every prompt first
             ordered = sorted(done, key=lambda r: (r.sample_index, r.prompt_index))
             self.kv.remember([r.prompt_ids + r.response for r in ordered])
-        for key, value in (("generate_calls", 1), ("prompts", len(encoded)),
-                           ("sequences", len(done)), ("generate_s", time.perf_counter() - start)):
+        for key, value in (
+            ("generate_calls", 1),
+            ("prompts", len(encoded)),
+            ("sequences", len(done)),
+            ("generate_s", time.perf_counter() - start),
+        ):
             self._stats[key] += value
         return to_rollouts(done, tables, params, self.tokenizer)
 
@@ -275,16 +338,18 @@ class Engine:
         start = time.perf_counter()
         if step.is_prefill:
             prompts = [g[0].prompt_ids for g in step.groups]
-            logits = self.runner.prefill_groups(cache, prompts, [len(g) for g in step.groups],
-                                                step.first_slot)
+            logits = self.runner.prefill_groups(
+                cache, prompts, [len(g) for g in step.groups], step.first_slot
+            )
             self._record(step.requests, logits, params)
             self._stats["prompt_tokens"] += sum(map(len, prompts))
             self._stats["prefill_forwards"] += 1
             self._stats["prefill_s"] += time.perf_counter() - start
         else:
             active = step.requests
-            logits = self.decode(cache, [r.response[-1] for r in active],
-                                 [r.cache_len for r in active])
+            logits = self.decode(
+                cache, [r.response[-1] for r in active], [r.cache_len for r in active]
+            )
             self._record(active, logits, params)
             self._stats["decode_steps"] += 1
             self._stats["decode_s"] += time.perf_counter() - start
@@ -303,8 +368,12 @@ class Engine:
         if self._observers:
             record = SampledTokens(
                 prompt_index=tuple(r.prompt_index for r in requests),
-                sample_index=tuple(r.sample_index for r in requests), step=tuple(steps),
-                logits=logits, tokens=tuple(tokens), logprobs=out.logprobs)
+                sample_index=tuple(r.sample_index for r in requests),
+                step=tuple(steps),
+                logits=logits,
+                tokens=tuple(tokens),
+                logprobs=out.logprobs,
+            )
             for fn in list(self._observers):
                 fn(record)
 
@@ -319,14 +388,19 @@ class Engine:
         cache plays no part; `cached_logits` includes it)."""
         ids = inputs.check_token_ids(token_ids, "sequence", self.model_config.vocab_size)
         if not 1 <= len(ids) <= self.max_len:
-            raise InputError(f"sequence has {len(ids)} tokens; allowed: 1 to "
-                             f"max_len={self.max_len}")
+            raise InputError(
+                f"sequence has {len(ids)} tokens; allowed: 1 to max_len={self.max_len}"
+            )
         return self.model(torch.tensor(ids, dtype=torch.long, device=self.device).reshape(1, -1))[0]
 
     @torch.no_grad()
     def score(
-        self, prompt_ids: Sequence[int], response_ids: Sequence[int],
-        temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+        self,
+        prompt_ids: Sequence[int],
+        response_ids: Sequence[int],
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
     ) -> list[float]:
         """fp32 logprobs of `response_ids` after `prompt_ids` under the engine's processed
         distribution (same temperature / top-k / top-p rule as sampling; with an fp8 KV cache,
@@ -354,7 +428,9 @@ class Engine:
 
     @torch.no_grad()
     def kv_cache_mismatch(
-        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
         temperature: float = 1.0,
     ) -> dict[str, float]:
         """How far this engine's KV cache (e.g. fp8) moves the sampling distribution, against an
@@ -365,8 +441,9 @@ class Engine:
             raise InputError(f"temperature={temperature!r} must be > 0")
         pairs = self._pairs(prompts, responses)
         self._refresh_kv([p for p, _ in pairs])
-        return scoring.kv_cache_mismatch(self.runner, self._ensure_cache(), pairs, self.max_batch,
-                                         temperature)
+        return scoring.kv_cache_mismatch(
+            self.runner, self._ensure_cache(), pairs, self.max_batch, temperature
+        )
 
     # ------------------------------------------------------------------ introspection
 

@@ -36,12 +36,18 @@ def to_rollouts(
     for r in done:
         n = len(r.response)
         text = "" if tokenizer is None else tokenizer.decode(r.response, skip_special_tokens=True)
-        rollouts.append(Rollout(
-            prompt_ids=list(r.prompt_ids), response_ids=list(r.response), text=text,
-            logprobs=logprobs[r.index, :n].tolist() if logprobs is not None else [],
-            finish_reason=r.finish_reason or "length",
-            raw_logprobs=raw[r.index, :n].tolist() if raw is not None else None,
-            prompt_index=r.prompt_index, sample_index=r.sample_index))
+        rollouts.append(
+            Rollout(
+                prompt_ids=list(r.prompt_ids),
+                response_ids=list(r.response),
+                text=text,
+                logprobs=logprobs[r.index, :n].tolist() if logprobs is not None else [],
+                finish_reason=r.finish_reason or "length",
+                raw_logprobs=raw[r.index, :n].tolist() if raw is not None else None,
+                prompt_index=r.prompt_index,
+                sample_index=r.sample_index,
+            )
+        )
     return rollouts
 
 
@@ -52,8 +58,14 @@ class GenerateProgress:
     DELAY_S = 2.0
 
     def __init__(self, total: int, enabled: bool, generated_tokens: Callable[[], float]) -> None:
-        self.bar = tqdm(total=total, unit="seq", desc="generate", delay=self.DELAY_S,
-                        disable=not enabled, leave=False)
+        self.bar = tqdm(
+            total=total,
+            unit="seq",
+            desc="generate",
+            delay=self.DELAY_S,
+            disable=not enabled,
+            leave=False,
+        )
         self.generated_tokens, self.before = generated_tokens, generated_tokens()
         self.start = self.shown = time.perf_counter()
 

@@ -23,8 +23,12 @@ Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 """One text prompt, a list of them, or a list of token-id lists (lists, tensors or arrays)."""
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json")
+_TOKENIZER_JSON = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
 
 
 def check_token_ids(ids: object, what: str, vocab_size: int) -> list[int]:
@@ -33,30 +37,38 @@ def check_token_ids(ids: object, what: str, vocab_size: int) -> list[int]:
     if isinstance(ids, torch.Tensor):
         bad_dtype = ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool
         if bad_dtype or ids.dim() != 1:
-            raise InputError(f"{what} is a tensor of dtype {ids.dtype} and shape "
-                             f"{tuple(ids.shape)}; allowed: an integer dtype, 1-D")
+            raise InputError(
+                f"{what} is a tensor of dtype {ids.dtype} and shape "
+                f"{tuple(ids.shape)}; allowed: an integer dtype, 1-D"
+            )
         ids = ids.tolist()
     elif isinstance(ids, np.ndarray):
         ids = ids.tolist()
     if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
-        raise InputError(f"{what} is {type(ids).__name__}; allowed: a string or a list of token "
-                         "ids")
+        raise InputError(
+            f"{what} is {type(ids).__name__}; allowed: a string or a list of token ids"
+        )
     for pos, token in enumerate(ids):
         if not is_integer(token) or not 0 <= token < vocab_size:
             reason = "is outside the vocabulary" if is_integer(token) else "is not an integer"
-            raise InputError(f"{what}: token id {token!r} at position {pos} {reason}; allowed: "
-                             f"integers in [0, {vocab_size})")
+            raise InputError(
+                f"{what}: token id {token!r} at position {pos} {reason}; allowed: "
+                f"integers in [0, {vocab_size})"
+            )
     return [int(t) for t in ids]
 
 
-def encode_prompts(prompts: Prompts, tokenizer: Any, vocab_size: int, max_len: int,
-                   model_dir: Path) -> list[list[int]]:
+def encode_prompts(
+    prompts: Prompts, tokenizer: Any, vocab_size: int, max_len: int, model_dir: Path
+) -> list[list[int]]:
     """Token ids of every prompt (text through `tokenizer`), each leaving room for a response."""
     if isinstance(prompts, str):
         prompts = [prompts]
     if not isinstance(prompts, Sequence | torch.Tensor | np.ndarray):
-        raise InputError(f"prompts must be a string, a list of strings or a list of token-id "
-                         f"lists, got {type(prompts).__name__}")
+        raise InputError(
+            f"prompts must be a string, a list of strings or a list of token-id "
+            f"lists, got {type(prompts).__name__}"
+        )
     if not len(prompts):
         raise InputError("generate needs at least one prompt; got an empty list")
     encoded = []
@@ -70,9 +82,11 @@ def encode_prompts(prompts: Prompts, tokenizer: Any, vocab_size: int, max_len: i
         if not ids:
             raise InputError(f"prompt {i} is empty")
         if len(ids) >= max_len:
-            raise InputError(f"prompt {i} has {len(ids)} tokens; max_len={max_len} leaves no room "
-                             f"for a response (prompts may have at most {max_len - 1} tokens; "
-                             "raise max_len)")
+            raise InputError(
+                f"prompt {i} has {len(ids)} tokens; max_len={max_len} leaves no room "
+                f"for a response (prompts may have at most {max_len - 1} tokens; "
+                "raise max_len)"
+            )
         encoded.append(ids)
     return encoded
 
@@ -83,8 +97,10 @@ def check_pairs(
     """(prompt ids, response ids) pairs for teacher forcing: one non-empty response per non-empty
     prompt, each pair within `max_len` tokens."""
     if len(prompts) != len(responses) or not len(prompts):
-        raise InputError(f"need one response per prompt and at least one pair; got {len(prompts)} "
-                         f"prompts and {len(responses)} responses")
+        raise InputError(
+            f"need one response per prompt and at least one pair; got {len(prompts)} "
+            f"prompts and {len(responses)} responses"
+        )
     encoded = [check_token_ids(p, f"prompt {i}", vocab_size) for i, p in enumerate(prompts)]
     pairs = []
     for i, (p, r) in enumerate(zip(encoded, responses)):
@@ -104,8 +120,10 @@ def check_params(params: SamplingParams | None, vocab_size: int, model_dir: Path
         raise InputError(f"generate params must be a SamplingParams, got {type(params).__name__}")
     beyond = [t for t in params.stop_token_ids if t >= vocab_size]
     if beyond:
-        raise InputError(f"SamplingParams.stop_token_ids {beyond} are outside the vocabulary "
-                         f"[0, {vocab_size}) of {model_dir}")
+        raise InputError(
+            f"SamplingParams.stop_token_ids {beyond} are outside the vocabulary "
+            f"[0, {vocab_size}) of {model_dir}"
+        )
     return params
 
 
@@ -125,8 +143,9 @@ def load_tokenizer(model_dir: Path) -> Any:
                     json.loads(path.read_text())
                 except (json.JSONDecodeError, UnicodeDecodeError) as json_err:
                     raise CheckpointError(f"{path} is not valid JSON ({json_err})") from err
-        raise CheckpointError(f"{model_dir}: the tokenizer does not load "
-                              f"({type(err).__name__}: {err})") from err
+        raise CheckpointError(
+            f"{model_dir}: the tokenizer does not load ({type(err).__name__}: {err})"
+        ) from err
 
 
 def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
@@ -139,8 +158,10 @@ def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer: Any) -> tuple
             raise ConfigError(f"{generation} must be a JSON object, got {type(raw).__name__}")
         eos = token_ids(raw.get("eos_token_id"))
         if eos is None:
-            raise ConfigError(f"{generation}: eos_token_id={raw.get('eos_token_id')!r} is invalid; "
-                              f"allowed: {TOKEN_IDS_ALLOWED}")
+            raise ConfigError(
+                f"{generation}: eos_token_id={raw.get('eos_token_id')!r} is invalid; "
+                f"allowed: {TOKEN_IDS_ALLOWED}"
+            )
         ids |= set(eos)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)

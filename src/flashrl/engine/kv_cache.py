@@ -82,8 +82,12 @@ class KVCache:
         self.k_token_scale: list[torch.Tensor] = []
         self.v_token_scale: list[torch.Tensor] = []
         if self.quantized and scale_granularity == "token":
-            self.k_token_scale = [torch.ones(shape[:3], dtype=torch.float32, device=device) for _ in range(num_layers)]
-            self.v_token_scale = [torch.ones(shape[:3], dtype=torch.float32, device=device) for _ in range(num_layers)]
+            self.k_token_scale = [
+                torch.ones(shape[:3], dtype=torch.float32, device=device) for _ in range(num_layers)
+            ]
+            self.v_token_scale = [
+                torch.ones(shape[:3], dtype=torch.float32, device=device) for _ in range(num_layers)
+            ]
         elif self.quantized:
             groups = scale_groups(num_kv_heads, scale_granularity)
             self.k_scale = torch.ones(num_layers, groups, dtype=torch.float32, device=device)
@@ -95,8 +99,12 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token(
-        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-        kv_cache_dtype: str = "bf16", scale_granularity: str = "layer",
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str = "bf16",
+        scale_granularity: str = "layer",
     ) -> int:
         """Bytes one cached token costs across all layers (K and V), per-token scales included."""
         _check(kv_cache_dtype, scale_granularity)
@@ -107,7 +115,12 @@ class KVCache:
         return 2 * num_layers * per_value
 
     @staticmethod
-    def fixed_bytes(num_layers: int, num_kv_heads: int, kv_cache_dtype: str = "bf16", scale_granularity: str = "layer") -> int:
+    def fixed_bytes(
+        num_layers: int,
+        num_kv_heads: int,
+        kv_cache_dtype: str = "bf16",
+        scale_granularity: str = "layer",
+    ) -> int:
         """Bytes that do not grow with the number of tokens: the static K and V scale buffers."""
         _check(kv_cache_dtype, scale_granularity)
         if kv_cache_dtype != "fp8" or scale_granularity == "token":
@@ -116,14 +129,24 @@ class KVCache:
 
     @classmethod
     def capacity_tokens(
-        cls, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-        kv_cache_dtype: str = "bf16", scale_granularity: str = "layer",
+        cls,
+        budget_bytes: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str = "bf16",
+        scale_granularity: str = "layer",
     ) -> int:
         """How many tokens (summed over all sequences) a cache of `budget_bytes` holds."""
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes={budget_bytes} must be >= 0")
-        free = budget_bytes - cls.fixed_bytes(num_layers, num_kv_heads, kv_cache_dtype, scale_granularity)
-        per_token = cls.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, kv_cache_dtype, scale_granularity)
+        free = budget_bytes - cls.fixed_bytes(
+            num_layers, num_kv_heads, kv_cache_dtype, scale_granularity
+        )
+        per_token = cls.bytes_per_token(
+            num_layers, num_kv_heads, head_dim, dtype, kv_cache_dtype, scale_granularity
+        )
         return max(0, free // per_token)
 
     def stats(self) -> dict[str, float]:
@@ -132,8 +155,12 @@ class KVCache:
         s = {"kv_cache_bytes": float(self.nbytes())}
         if self.k_scale is not None:
             k, v = self.k_scale, self.v_scale
-            s.update(kv_k_scale_mean=float(k.mean()), kv_k_scale_max=float(k.max()),
-                     kv_v_scale_mean=float(v.mean()), kv_v_scale_max=float(v.max()))
+            s.update(
+                kv_k_scale_mean=float(k.mean()),
+                kv_k_scale_max=float(k.max()),
+                kv_v_scale_mean=float(v.mean()),
+                kv_v_scale_max=float(v.max()),
+            )
         if self.quantized:
             clipped, written = int(self.clipped), int(self.written)
             s["kv_clipped_values"] = float(clipped)
@@ -157,10 +184,15 @@ class KVCache:
                 f"kv_cache_dtype={self.kv_cache_dtype!r}, "
                 f"scale_granularity={self.scale_granularity!r}"
             )
-        for name, new, buf in (("k_scale", k_scale, self.k_scale), ("v_scale", v_scale, self.v_scale)):
+        for name, new, buf in (
+            ("k_scale", k_scale, self.k_scale),
+            ("v_scale", v_scale, self.v_scale),
+        ):
             new = torch.as_tensor(new, dtype=torch.float32, device=buf.device)
             if not bool(torch.isfinite(new).all()) or not bool((new > 0).all()):
-                raise InputError(f"{name} must be finite and positive, got {new.flatten()[:8].tolist()}")
+                raise InputError(
+                    f"{name} must be finite and positive, got {new.flatten()[:8].tolist()}"
+                )
             buf.copy_(new.expand_as(buf))
 
     # ------------------------------------------------------------------ writes
@@ -171,7 +203,9 @@ class KVCache:
         """fp8 codes of `x` [B, heads, (T,) head_dim] (and per-token scales in token mode). `valid`
         [B] (nonzero = real row) limits the clipping counters to real rows of a padded batch."""
         if scale is None:  # token granularity: one scale per (token, head), the row amax
-            codes, token_scale = quantize_per_row(x.reshape(-1, x.shape[-1]), FP8, check_finite=False)
+            codes, token_scale = quantize_per_row(
+                x.reshape(-1, x.shape[-1]), FP8, check_finite=False
+            )
             return codes.view(x.shape), token_scale.view(x.shape[:-1])
         groups = scale.view((-1,) + (1,) * (x.dim() - 2))  # per head (or one) over [heads, (T,) D]
         scaled = x.float() / groups
@@ -209,7 +243,12 @@ class KVCache:
         return stored[0], stored[1]
 
     def write_decode(
-        self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None
+        self,
+        layer: int,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        valid: torch.Tensor | None = None,
     ) -> None:
         """Store one new token per active slot: k, v [B, kv_heads, head_dim] at `positions` [B] of
         slots 0..B-1. `valid` [B] marks the real rows of a padded (bucketed) decode batch: padding
@@ -228,10 +267,18 @@ class KVCache:
 
     def _parts(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         token = self.scale_granularity == "token"
-        yield (self.k[layer], self.k_token_scale[layer] if token else None,
-               None if token else self.k_scale[layer], k)
-        yield (self.v[layer], self.v_token_scale[layer] if token else None,
-               None if token else self.v_scale[layer], v)
+        yield (
+            self.k[layer],
+            self.k_token_scale[layer] if token else None,
+            None if token else self.k_scale[layer],
+            k,
+        )
+        yield (
+            self.v[layer],
+            self.v_token_scale[layer] if token else None,
+            None if token else self.v_scale[layer],
+            v,
+        )
 
     # ------------------------------------------------------------------ reads
 
@@ -279,7 +326,9 @@ def scale_groups(num_kv_heads: int, scale_granularity: str) -> int:
 
 def _check(kv_cache_dtype: str, scale_granularity: str) -> None:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is invalid; allowed: {', '.join(KV_CACHE_DTYPES)}")
+        raise ConfigError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is invalid; allowed: {', '.join(KV_CACHE_DTYPES)}"
+        )
     if scale_granularity not in KV_SCALE_GRANULARITIES:
         allowed = ", ".join(KV_SCALE_GRANULARITIES)
         raise ConfigError(f"scale_granularity={scale_granularity!r} is invalid; allowed: {allowed}")

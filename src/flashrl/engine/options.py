@@ -48,33 +48,49 @@ class EngineOptions:
 
     @classmethod
     def resolve(
-        cls, model_dir: Path, model_config: ModelConfig, config: RolloutConfig,
-        overrides: dict[str, Any], kv_scale_granularity: str | None,
-        device: str | torch.device | None, dtype: str | torch.dtype | None,
-        max_batch: int | None, max_len: int | None, kv_cache_memory: int | None,
+        cls,
+        model_dir: Path,
+        model_config: ModelConfig,
+        config: RolloutConfig,
+        overrides: dict[str, Any],
+        kv_scale_granularity: str | None,
+        device: str | torch.device | None,
+        dtype: str | torch.dtype | None,
+        max_batch: int | None,
+        max_len: int | None,
+        kv_cache_memory: int | None,
         max_prefill_tokens: int | None,
     ) -> EngineOptions:
         """Apply the non-None `overrides` (fields of `config`) and check every size."""
         given = {k: v for k, v in overrides.items() if v is not None}
         if given:
             config = RolloutConfig.from_dict({**config.to_dict(), **given})
-        granularity = scale_granularity(config.kv_cache_dtype, config.kv_scale,
-                                        "kv_scale" in given, kv_scale_granularity)
+        granularity = scale_granularity(
+            config.kv_cache_dtype, config.kv_scale, "kv_scale" in given, kv_scale_granularity
+        )
         device, dtype = resolve_device(device), resolve_dtype(dtype)
         max_len = _check_max_len(max_len, model_config, model_dir)
         if kv_cache_memory is not None:
             if max_batch is not None:
                 raise ConfigError("give max_batch or kv_cache_memory, not both")
-            max_batch = _max_batch_for(kv_cache_memory, model_config, dtype, config.kv_cache_dtype,
-                                       granularity or "layer", max_len)
+            max_batch = _max_batch_for(
+                kv_cache_memory,
+                model_config,
+                dtype,
+                config.kv_cache_dtype,
+                granularity or "layer",
+                max_len,
+            )
         max_batch = DEFAULT_MAX_BATCH if max_batch is None else max_batch
         if not _positive_int(max_batch):
             raise ConfigError(f"max_batch={max_batch!r} is invalid; allowed: an integer >= 1")
         if max_prefill_tokens is None:
             max_prefill_tokens = DEFAULT_MAX_PREFILL_TOKENS
         if not _positive_int(max_prefill_tokens):
-            raise ConfigError(f"max_prefill_tokens={max_prefill_tokens!r} must be a positive int "
-                              "(padded prompt tokens per prefill forward)")
+            raise ConfigError(
+                f"max_prefill_tokens={max_prefill_tokens!r} must be a positive int "
+                "(padded prompt tokens per prefill forward)"
+            )
         return cls(config, granularity, device, dtype, max_len, max_batch, max_prefill_tokens)
 
 
@@ -85,16 +101,26 @@ def _check_max_len(max_len: int | None, model_config: ModelConfig, model_dir: Pa
     if max_len is None:
         return min(limit, DEFAULT_MAX_LEN)
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
-        raise ConfigError(f"max_len={max_len!r} is invalid; allowed: an integer in [2, {limit}] "
-                          f"(max_position_embeddings of {model_dir / 'config.json'})")
+        raise ConfigError(
+            f"max_len={max_len!r} is invalid; allowed: an integer in [2, {limit}] "
+            f"(max_position_embeddings of {model_dir / 'config.json'})"
+        )
     if max_len > limit:
-        raise ConfigError(f"max_len={max_len} is more than the model's max_position_embeddings="
-                          f"{limit} ({model_dir / 'config.json'}); use max_len <= {limit}")
+        raise ConfigError(
+            f"max_len={max_len} is more than the model's max_position_embeddings="
+            f"{limit} ({model_dir / 'config.json'}); use max_len <= {limit}"
+        )
     return max_len
 
 
-def _max_batch_for(kv_cache_memory: object, c: ModelConfig, dtype: torch.dtype,
-                   kv_cache_dtype: str, granularity: str, max_len: int) -> int:
+def _max_batch_for(
+    kv_cache_memory: object,
+    c: ModelConfig,
+    dtype: torch.dtype,
+    kv_cache_dtype: str,
+    granularity: str,
+    max_len: int,
+) -> int:
     """Slots of `max_len` tokens that fit in `kv_cache_memory` bytes of KV cache."""
     number = not isinstance(kv_cache_memory, bool) and isinstance(kv_cache_memory, (int, float))
     if not number or not kv_cache_memory >= 1:
@@ -103,9 +129,12 @@ def _max_batch_for(kv_cache_memory: object, c: ModelConfig, dtype: torch.dtype,
     args = (c.num_layers, c.num_kv_heads, c.head_dim, dtype, kv_cache_dtype, granularity)
     tokens = KVCache.capacity_tokens(budget, *args)
     if tokens < max_len:
-        need = (KVCache.fixed_bytes(c.num_layers, c.num_kv_heads, kv_cache_dtype, granularity)
-                + max_len * KVCache.bytes_per_token(*args))
-        raise ConfigError(f"kv_cache_memory={budget} bytes holds {tokens} tokens, less than one "
-                          f"sequence of max_len={max_len} ({need} bytes); raise kv_cache_memory "
-                          "or lower max_len")
+        need = KVCache.fixed_bytes(
+            c.num_layers, c.num_kv_heads, kv_cache_dtype, granularity
+        ) + max_len * KVCache.bytes_per_token(*args)
+        raise ConfigError(
+            f"kv_cache_memory={budget} bytes holds {tokens} tokens, less than one "
+            f"sequence of max_len={max_len} ({need} bytes); raise kv_cache_memory "
+            "or lower max_len"
+        )
     return tokens // max_len

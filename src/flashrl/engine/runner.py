@@ -27,14 +27,23 @@ class ModelRunner:
     """Runs `model` on `device` with a KV cache of `max_batch` slots of `max_len` positions, stored
     as `kv_cache_dtype` with fp8 scales at `scale_granularity` (`flashrl.engine.kv_cache`)."""
 
-    def __init__(self, model: Decoder, max_batch: int, max_len: int, device: torch.device,
-                 decode_compile: str | None = None, decode_buckets: bool | None = None,
-                 kv_cache_dtype: str = "bf16", scale_granularity: str = "layer") -> None:
+    def __init__(
+        self,
+        model: Decoder,
+        max_batch: int,
+        max_len: int,
+        device: torch.device,
+        decode_compile: str | None = None,
+        decode_buckets: bool | None = None,
+        kv_cache_dtype: str = "bf16",
+        scale_granularity: str = "layer",
+    ) -> None:
         self.model, self.device, self.max_batch, self.max_len = model, device, max_batch, max_len
         self.kv_cache_dtype, self.scale_granularity = kv_cache_dtype, scale_granularity
         buckets = decode_compile is not None if decode_buckets is None else decode_buckets
-        self.decode = DecodeStep(model, max_batch, max_len, device, compile=decode_compile,
-                                 buckets=buckets)
+        self.decode = DecodeStep(
+            model, max_batch, max_len, device, compile=decode_compile, buckets=buckets
+        )
         self.cache: KVCache | None = None
 
     def ensure_cache(
@@ -44,10 +53,17 @@ class ModelRunner:
         fp8 scales."""
         if self.cache is None:
             c = self.model.config
-            self.cache = KVCache(c.num_layers, self.max_batch, c.num_kv_heads, self.max_len,
-                                 c.head_dim, self.model.dtype, self.device,
-                                 kv_cache_dtype=self.kv_cache_dtype,
-                                 scale_granularity=self.scale_granularity)
+            self.cache = KVCache(
+                c.num_layers,
+                self.max_batch,
+                c.num_kv_heads,
+                self.max_len,
+                c.head_dim,
+                self.model.dtype,
+                self.device,
+                kv_cache_dtype=self.kv_cache_dtype,
+                scale_granularity=self.scale_granularity,
+            )
             if initial_scales is not None and self.cache.k_scale is not None:
                 self.cache.set_scales(*initial_scales)
         return self.cache
@@ -55,25 +71,42 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes one token costs (all layers, K and V, per-token scales included)."""
         c = self.model.config
-        return KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.model.dtype,
-                                       self.kv_cache_dtype, self.scale_granularity)
+        return KVCache.bytes_per_token(
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            self.model.dtype,
+            self.kv_cache_dtype,
+            self.scale_granularity,
+        )
 
     @torch.no_grad()
-    def prefill(self, cache: KVCache, prompts: Sequence[Sequence[int]],
-                slots: Sequence[int]) -> torch.Tensor:
+    def prefill(
+        self, cache: KVCache, prompts: Sequence[Sequence[int]], slots: Sequence[int]
+    ) -> torch.Tensor:
         """Prefill `prompts` (token ids) into cache `slots` in one right-padded forward; returns
         the fp32 logits [len(prompts), vocab] predicting each prompt's next token."""
         padded = pad_right(prompts, self.device)
-        batch = ForwardBatch.prefill(len(prompts), padded.ids.shape[1], self.device,
-                                     self.model.sliding_window, cache=cache,
-                                     slots=torch.tensor(list(slots), device=self.device))
+        batch = ForwardBatch.prefill(
+            len(prompts),
+            padded.ids.shape[1],
+            self.device,
+            self.model.sliding_window,
+            cache=cache,
+            slots=torch.tensor(list(slots), device=self.device),
+        )
         hidden = self.model.hidden_states(padded.ids, batch)
         last = hidden[torch.arange(len(prompts), device=self.device), padded.last]
         return self.model.logits(last)
 
     @torch.no_grad()
-    def prefill_groups(self, cache: KVCache, prompts: Sequence[Sequence[int]],
-                       sizes: Sequence[int], first_slot: int) -> torch.Tensor:
+    def prefill_groups(
+        self,
+        cache: KVCache,
+        prompts: Sequence[Sequence[int]],
+        sizes: Sequence[int],
+        first_slot: int,
+    ) -> torch.Tensor:
         """Prefill one prompt per group into consecutive slots from `first_slot` on (group g takes
         `sizes[g]` slots; its prompt goes to the first, then its K/V is copied to the others);
         returns the logits [sum(sizes), vocab], one row per slot."""
@@ -82,8 +115,9 @@ class ModelRunner:
         for prompt, slot, size in zip(prompts, slots, sizes):
             if size > 1:
                 cache.copy_slot(slot, list(range(slot + 1, slot + size)), len(prompt))
-        rows = torch.tensor([g for g, size in enumerate(sizes) for _ in range(size)],
-                            device=self.device)
+        rows = torch.tensor(
+            [g for g, size in enumerate(sizes) for _ in range(size)], device=self.device
+        )
         return logits[rows]
 
     def decode_eager(self, cache: KVCache, tokens: list[int], positions: list[int]) -> torch.Tensor:

@@ -65,8 +65,11 @@ def sample(
 def stream_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     """A 63-bit seed for one request's random stream (splitmix64-style mixing of the three ints)."""
     mask = 2**64 - 1
-    x = (seed * 0x9E3779B97F4A7C15 + prompt_index * 0xBF58476D1CE4E5B9
-         + sample_index * 0x94D049BB133111EB) & mask
+    x = (
+        seed * 0x9E3779B97F4A7C15
+        + prompt_index * 0xBF58476D1CE4E5B9
+        + sample_index * 0x94D049BB133111EB
+    ) & mask
     x ^= x >> 31
     x = (x * 0xD6E8FEB86659FD93) & mask
     return (x ^ (x >> 32)) & (2**63 - 1)
@@ -87,7 +90,11 @@ class SamplingTables:
 
     @classmethod
     def build(
-        cls, prompt_lengths: Sequence[int], params: SamplingParams, base_seed: int, max_len: int,
+        cls,
+        prompt_lengths: Sequence[int],
+        params: SamplingParams,
+        base_seed: int,
+        max_len: int,
         device: torch.device,
     ) -> SamplingTables:
         """The tables of a call over prompts of `prompt_lengths`: request (i, j)'s uniforms are the
@@ -109,7 +116,10 @@ class SamplingTables:
         return cls(uniforms, logprobs, raw)
 
     def sample(
-        self, logits: torch.Tensor, params: SamplingParams, rows: Sequence[int],
+        self,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        rows: Sequence[int],
         steps: Sequence[int],
     ) -> SampleOutput:
         """Sample one token per row of `logits` for table rows `rows` at token indices `steps` and

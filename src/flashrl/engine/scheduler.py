@@ -126,7 +126,7 @@ class Scheduler:
                 move_slot(last, k, self.active[last].cache_len + 1)
                 self.active[k] = self.active[last]
             self.active.pop()
-        return self.done[len(self.done) - len(finished):]
+        return self.done[len(self.done) - len(finished) :]
 
 
 def _finish(request: Request, stop_ids: set[int]) -> bool:

@@ -34,8 +34,10 @@ def teacher_forced(
         if t:
             # feed response token t-1 at position len(prompt) + t - 1; finished rows repeat their
             # last position (their outputs are ignored and their slot is their own)
-            positions = [min(lengths[row] + t - 1, lengths[row] + len(r) - 1)
-                         for row, (_, r) in enumerate(pairs)]
+            positions = [
+                min(lengths[row] + t - 1, lengths[row] + len(r) - 1)
+                for row, (_, r) in enumerate(pairs)
+            ]
             tokens = [r[min(t - 1, len(r) - 1)] for _, r in pairs]
             logits = runner.decode_eager(cache, tokens, positions)
         yield t, logits[rows], rows
@@ -58,8 +60,9 @@ def cached_logits(
 def reference_cache(runner: ModelRunner, slots: int, max_len: int) -> KVCache:
     """An unquantized cache (activation dtype) of `slots` slots for `runner`'s model."""
     c, model = runner.model.config, runner.model
-    return KVCache(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, model.dtype,
-                   runner.device)
+    return KVCache(
+        c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, model.dtype, runner.device
+    )
 
 
 def kv_cache_mismatch(
@@ -93,9 +96,14 @@ def kv_cache_mismatch(
             lp_ref[idx, t] = lb.gather(1, targets[:, None])[:, 0].cpu()
             mask[idx, t] = True
     kl = torch.cat(kls)
-    return {"kl": float(kl.mean()), "kl_max": float(kl.max()), "k3_kl": k3_kl(lp_ref, lp_kv, mask),
-            "logprob_abs_diff_max": float((lp_kv - lp_ref).abs()[mask].max()),
-            "logit_abs_diff_max": logit_diff, "tokens": float(mask.sum())}
+    return {
+        "kl": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "k3_kl": k3_kl(lp_ref, lp_kv, mask),
+        "logprob_abs_diff_max": float((lp_kv - lp_ref).abs()[mask].max()),
+        "logit_abs_diff_max": logit_diff,
+        "tokens": float(mask.sum()),
+    }
 
 
 def k3_kl(lp_ref: torch.Tensor, lp_kv: torch.Tensor, mask: torch.Tensor) -> float:

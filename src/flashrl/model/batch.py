@@ -30,7 +30,11 @@ class KVStore(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def write_decode(
-        self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        self,
+        layer: int,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         valid: torch.Tensor | None = None,
     ) -> None: ...
 
@@ -54,9 +58,7 @@ class Padded:
         return self.lengths - 1
 
 
-def pad_right(
-    sequences: Sequence[Sequence[int]], device: torch.device | str = "cpu"
-) -> Padded:
+def pad_right(sequences: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> Padded:
     """Stack token sequences into right-padded tensors on `device` (built on the host, one copy)."""
     lengths = [len(s) for s in sequences]
     width = max(lengths)
@@ -124,8 +126,9 @@ class ForwardBatch:
         mask = None
         if sliding_window is not None and width > sliding_window:
             mask = attention_mask(positions, width, sliding_window)
-        return cls(positions=positions, cache=cache, slots=slots, mask=mask,
-                   kv_observer=kv_observer)
+        return cls(
+            positions=positions, cache=cache, slots=slots, mask=mask, kv_observer=kv_observer
+        )
 
     @classmethod
     def prefill(
@@ -154,8 +157,14 @@ class ForwardBatch:
         """One decode step: row b (slot b) writes its token at `positions[b, 0]` and attends over
         cache positions 0..kv_length-1 up to its own."""
         mask = attention_mask(positions, kv_length, sliding_window)
-        return cls(positions=positions, cache=cache, decode=True, kv_length=kv_length, mask=mask,
-                   row_mask=row_mask)
+        return cls(
+            positions=positions,
+            cache=cache,
+            decode=True,
+            kv_length=kv_length,
+            mask=mask,
+            row_mask=row_mask,
+        )
 
 
 def masked_rows(x: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:

@@ -72,11 +72,13 @@ class ModelConfig:
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Read and validate a parsed config.json; `source` names the file in errors (`ConfigError`
         for bad values, `UnsupportedError` for an architecture or feature the engine lacks)."""
         if not isinstance(raw, dict):
-            raise ConfigError(f"{source} must be a JSON object (a Hugging Face config), got {type(raw).__name__}")
+            raise ConfigError(
+                f"{source} must be a JSON object (a Hugging Face config), got {type(raw).__name__}"
+            )
         check = _Checker(raw, source)
         family = _family(check)
         vocab_size = check.int("vocab_size", MAX_VOCAB)
@@ -104,7 +106,9 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=check.number("rms_norm_eps", 1e-6, "a number in (0, 1)", lambda x: 0 < x < 1),
+            rms_norm_eps=check.number(
+                "rms_norm_eps", 1e-6, "a number in (0, 1)", lambda x: 0 < x < 1
+            ),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=check.int("max_position_embeddings", 2**31 - 1, default=4096),
@@ -120,13 +124,15 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir)
         if not path.is_dir():
             raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
         config_file = path / "config.json"
         if not config_file.is_file():
-            raise FileNotFoundError(f"{path} has no config.json (expected a Hugging Face checkpoint directory)")
+            raise FileNotFoundError(
+                f"{path} has no config.json (expected a Hugging Face checkpoint directory)"
+            )
         return cls.from_dict(read_json(config_file), source=str(config_file))
 
 
@@ -181,14 +187,20 @@ def _family(check: _Checker) -> str:
             f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads")
+    required = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    )
     missing = [k for k in required if k not in raw]
     if missing:
         raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise UnsupportedError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported; "
-                               "supported: silu")
+        raise UnsupportedError(
+            f"{source}: hidden_act={raw['hidden_act']!r} is not supported; supported: silu"
+        )
     return SUPPORTED_ARCHITECTURES[arch]
 
 
@@ -196,12 +208,15 @@ def _head_dim(check: _Checker, hidden_size: int, num_heads: int) -> int:
     """``head_dim``, or hidden_size / num_attention_heads; even (RoPE rotates pairs)."""
     if check.raw.get("head_dim") is None:
         if hidden_size % num_heads:
-            check.fail("hidden_size", f"a multiple of num_attention_heads={num_heads} "
-                                      "(or give head_dim)")
+            check.fail(
+                "hidden_size", f"a multiple of num_attention_heads={num_heads} (or give head_dim)"
+            )
         head_dim = hidden_size // num_heads
         if head_dim % 2:
-            check.fail("hidden_size", "hidden_size / num_attention_heads even (RoPE pairs), "
-                                      f"not {head_dim}")
+            check.fail(
+                "hidden_size",
+                f"hidden_size / num_attention_heads even (RoPE pairs), not {head_dim}",
+            )
         return head_dim
     head_dim = check.int("head_dim", MAX_HEAD_DIM)
     if head_dim % 2:
@@ -231,7 +246,9 @@ class _Checker:
         self.raw, self.source = raw, source
 
     def fail(self, key: str, allowed: str) -> None:
-        raise ConfigError(f"{self.source}: {key}={self.raw.get(key)!r} is invalid; allowed: {allowed}")
+        raise ConfigError(
+            f"{self.source}: {key}={self.raw.get(key)!r} is invalid; allowed: {allowed}"
+        )
 
     def int(self, key: str, maximum: int, default: int | None = None) -> int:
         value = self.raw.get(key)
@@ -254,8 +271,11 @@ class _Checker:
         return bool(value)
 
 
-_ROPE_REQUIRED = {"linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
-                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+_ROPE_REQUIRED = {
+    "linear": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 """The rope-scaling parameters each rope type reads (`rope_inv_freq`); all must be numbers > 0."""
 
 
@@ -267,18 +287,26 @@ def _rope_fields(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any
     params = dict(given or {})
     theta = params.pop("rope_theta", raw.get("rope_theta", 10000.0))
     if not _is_number(theta) or theta <= 0:
-        raise ConfigError(f"{source}: rope_theta={theta!r} is invalid; allowed: a finite number > 0")
+        raise ConfigError(
+            f"{source}: rope_theta={theta!r} is invalid; allowed: a finite number > 0"
+        )
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise UnsupportedError(f"{source}: rope type {rope_type!r} is not supported; "
-                               f"supported: {', '.join(ROPE_TYPES)}")
+        raise UnsupportedError(
+            f"{source}: rope type {rope_type!r} is not supported; "
+            f"supported: {', '.join(ROPE_TYPES)}"
+        )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedError(f"{source}: partial_rotary_factor != 1 is not supported")
     for name in _ROPE_REQUIRED.get(rope_type, ()):
         if name not in params:
-            raise ConfigError(f"{source}: {key}: {name!r} is missing (rope type {rope_type!r} needs it)")
+            raise ConfigError(
+                f"{source}: {key}: {name!r} is missing (rope type {rope_type!r} needs it)"
+            )
         if not _is_number(params[name]) or params[name] <= 0:
-            raise ConfigError(f"{source}: {key}: {name}={params[name]!r} is invalid; allowed: a finite number > 0")
+            raise ConfigError(
+                f"{source}: {key}: {name}={params[name]!r} is invalid; allowed: a finite number > 0"
+            )
     return float(theta), params
 
 
@@ -312,7 +340,9 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         if params.get("mscale") and params.get("mscale_all_dim"):
-            attention_factor = mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+            attention_factor = mscale(factor, params["mscale"]) / mscale(
+                factor, params["mscale_all_dim"]
+            )
         else:
             attention_factor = mscale(factor)
     beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1

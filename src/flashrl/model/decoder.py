@@ -26,7 +26,9 @@ QKV_SHARDS = ("q_proj", "k_proj", "v_proj")
 GATE_UP_SHARDS = ("gate_proj", "up_proj")
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     """Attention output [B, heads, T, D] for q [B, heads, T, D] and k, v [B, kv_heads, S, D] (GQA:
     each kv head serves heads // kv_heads consecutive query heads); `mask` [B or 1, 1, T, S]
     (True = attend) or None for causal.
@@ -43,10 +45,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     b, heads, t, d = q.shape
     kv_heads = k.shape[1]
     if t == 1 and heads != kv_heads:
-        out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, heads // kv_heads, d), k, v, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(
+            q.reshape(b, kv_heads, heads // kv_heads, d), k, v, attn_mask=mask, scale=scale
+        )
         return out.reshape(b, heads, 1, d)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1, scale=scale,
-                                          enable_gqa=heads != kv_heads)
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=mask is None and t > 1,
+        scale=scale,
+        enable_gqa=heads != kv_heads,
+    )
 
 
 class RMSNorm(nn.Module):
@@ -82,15 +93,29 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, scheme_for, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, scheme_for, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.layer, self.config = layer, config
         h, d = config.hidden_size, config.head_dim
-        self.qkv_proj = make_linear(h, config.q_size + 2 * config.kv_size, scheme_for("self_attn.qkv_proj", QKV_SHARDS),
-                                    bias=config.qkv_bias, shard_sizes=(config.q_size, config.kv_size, config.kv_size),
-                                    dtype=dtype, device=device)
-        self.o_proj = make_linear(config.q_size, h, scheme_for("self_attn.o_proj", ("o_proj",)),
-                                  bias=config.qkv_bias and config.family == "llama", dtype=dtype, device=device)
+        self.qkv_proj = make_linear(
+            h,
+            config.q_size + 2 * config.kv_size,
+            scheme_for("self_attn.qkv_proj", QKV_SHARDS),
+            bias=config.qkv_bias,
+            shard_sizes=(config.q_size, config.kv_size, config.kv_size),
+            dtype=dtype,
+            device=device,
+        )
+        self.o_proj = make_linear(
+            config.q_size,
+            h,
+            scheme_for("self_attn.o_proj", ("o_proj",)),
+            bias=config.qkv_bias and config.family == "llama",
+            dtype=dtype,
+            device=device,
+        )
         self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.scale = d**-0.5
@@ -98,7 +123,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary) -> torch.Tensor:
         b, t, _ = x.shape
         c = self.config
-        q, k, v = self.qkv_proj(masked_rows(x, batch)).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(masked_rows(x, batch)).split(
+            [c.q_size, c.kv_size, c.kv_size], dim=-1
+        )
         q = q.view(b, t, c.num_heads, c.head_dim)
         k = k.view(b, t, c.num_kv_heads, c.head_dim)
         v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
@@ -111,7 +138,9 @@ class Attention(nn.Module):
         cache = batch.cache
         if cache is not None and batch.decode:
             valid = batch.row_mask.view(-1) if batch.row_mask is not None else None
-            cache.write_decode(self.layer, batch.positions[:, 0], k[:, :, 0], v[:, :, 0], valid=valid)
+            cache.write_decode(
+                self.layer, batch.positions[:, 0], k[:, :, 0], v[:, :, 0], valid=valid
+            )
             k, v = cache.read(self.layer, b, batch.kv_length)
         elif cache is not None:
             # Attention always uses K/V as the cache stores them: with an fp8 cache, the prefill
@@ -124,14 +153,29 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, scheme_for, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, scheme_for, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
         self.intermediate = i
-        self.gate_up_proj = make_linear(h, 2 * i, scheme_for("mlp.gate_up_proj", GATE_UP_SHARDS), bias=config.mlp_bias,
-                                        shard_sizes=(i, i), dtype=dtype, device=device)
-        self.down_proj = make_linear(i, h, scheme_for("mlp.down_proj", ("down_proj",)), bias=config.mlp_bias,
-                                     dtype=dtype, device=device)
+        self.gate_up_proj = make_linear(
+            h,
+            2 * i,
+            scheme_for("mlp.gate_up_proj", GATE_UP_SHARDS),
+            bias=config.mlp_bias,
+            shard_sizes=(i, i),
+            dtype=dtype,
+            device=device,
+        )
+        self.down_proj = make_linear(
+            i,
+            h,
+            scheme_for("mlp.down_proj", ("down_proj",)),
+            bias=config.mlp_bias,
+            dtype=dtype,
+            device=device,
+        )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(masked_rows(x, batch)).split(self.intermediate, dim=-1)
@@ -139,13 +183,28 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, scheme_for, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, scheme_for, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         prefix = f"model.layers.{layer}."
-        self.self_attn = Attention(config, layer, lambda n, s: scheme_for(prefix + n, [prefix + "self_attn." + x for x in s]), dtype, device)
-        self.mlp = MLP(config, lambda n, s: scheme_for(prefix + n, [prefix + "mlp." + x for x in s]), dtype, device)
+        self.self_attn = Attention(
+            config,
+            layer,
+            lambda n, s: scheme_for(prefix + n, [prefix + "self_attn." + x for x in s]),
+            dtype,
+            device,
+        )
+        self.mlp = MLP(
+            config,
+            lambda n, s: scheme_for(prefix + n, [prefix + "mlp." + x for x in s]),
+            dtype,
+            device,
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, device
+        )
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, rotary: Rotary) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), batch, rotary)
@@ -173,15 +232,25 @@ class Decoder(nn.Module):
         def scheme_for(name: str, hf_names: list[str]) -> QuantScheme:
             """A fused layer stays in high precision if its own name or a shard's HF name is
             skipped."""
-            return bf16 if matches_any(name, skip) or any(matches_any(n, skip) for n in hf_names) else scheme
+            return (
+                bf16
+                if matches_any(name, skip) or any(matches_any(n, skip) for n in hf_names)
+                else scheme
+            )
 
         self.config, self.dtype, self.lm_head_fp32 = config, dtype, lm_head_fp32
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+        )
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, scheme_for, dtype, device) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, scheme_for, dtype, device) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         head_dtype = torch.float32 if lm_head_fp32 else dtype
-        self.lm_head = DenseLinear(config.hidden_size, config.vocab_size, dtype=head_dtype, device=device)
+        self.lm_head = DenseLinear(
+            config.hidden_size, config.vocab_size, dtype=head_dtype, device=device
+        )
         if config.tie_word_embeddings and not lm_head_fp32:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, max_len, device)
@@ -201,9 +270,13 @@ class Decoder(nn.Module):
             return self.lm_head(hidden.float())
         return self.lm_head(hidden).float()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Full causal forward without a cache: fp32 logits [B, T, vocab]."""
         if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(
+                input_ids
+            )
         batch = ForwardBatch.causal(positions, self.sliding_window)
         return self.logits(self.hidden_states(input_ids, batch))

@@ -78,8 +78,12 @@ class KVScales:
 
     def summary(self) -> dict[str, float]:
         """Mean and max of the K and V scales (engine stats, logs)."""
-        return {"kv_k_scale_mean": float(self.k.mean()), "kv_k_scale_max": float(self.k.max()),
-                "kv_v_scale_mean": float(self.v.mean()), "kv_v_scale_max": float(self.v.max())}
+        return {
+            "kv_k_scale_mean": float(self.k.mean()),
+            "kv_k_scale_max": float(self.k.max()),
+            "kv_v_scale_mean": float(self.v.mean()),
+            "kv_v_scale_max": float(self.v.max()),
+        }
 
 
 def rope_pair_amax(x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +100,9 @@ def rope_pair_amax(x: torch.Tensor) -> torch.Tensor:
 def scales_from_amax(amax: torch.Tensor, margin: float = KV_MARGIN) -> torch.Tensor:
     """``max(amax * margin, 1e-10) / 448`` in fp32 (flashrl.quant's scale floor and division)."""
     if not margin >= 1.0:
-        raise ConfigError(f"margin={margin!r} must be >= 1 (a margin below 1 clips the calibration set itself)")
+        raise ConfigError(
+            f"margin={margin!r} must be >= 1 (a margin below 1 clips the calibration set itself)"
+        )
     return scale_from_amax(amax.float() * margin, FP8_E4M3_QMAX)
 
 
@@ -104,10 +110,18 @@ class KVAmaxObserver:
     """A `ForwardBatch.kv_observer` that keeps, per layer and kv head, the amax of K (RoPE pair
     norm) and V over valid positions; optionally the per-layer amax of Q (pair norm)."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, device: torch.device | str, include_q: bool = False) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        device: torch.device | str,
+        include_q: bool = False,
+    ) -> None:
         self.k_amax = torch.zeros(num_layers, num_kv_heads, dtype=torch.float32, device=device)
         self.v_amax = torch.zeros_like(self.k_amax)
-        self.q_amax = torch.zeros(num_layers, dtype=torch.float32, device=device) if include_q else None
+        self.q_amax = (
+            torch.zeros(num_layers, dtype=torch.float32, device=device) if include_q else None
+        )
         self.valid: torch.Tensor | None = None
         """[B, T] bool for the current batch (False = padding, excluded); None = all valid."""
         self.tokens = 0
@@ -128,26 +142,41 @@ class KVAmaxObserver:
     def scales(self, granularity: str = "layer", margin: float = KV_MARGIN) -> KVScales:
         """Scales at `granularity` (``layer``: max over heads; ``head``: one per kv head)."""
         if granularity not in KV_SCALE_GRANULARITIES[:2]:
-            raise ConfigError(f"granularity={granularity!r} is invalid for static scales; allowed: layer, head")
+            raise ConfigError(
+                f"granularity={granularity!r} is invalid for static scales; allowed: layer, head"
+            )
         amax = (self.k_amax, self.v_amax) + ((self.q_amax,) if self.q_amax is not None else ())
         if not all(bool(torch.isfinite(a).all()) for a in amax):
-            raise ValueError("KV calibration saw non-finite K, V or Q values: the model weights "
-                             "produce NaN or Inf")
+            raise ValueError(
+                "KV calibration saw non-finite K, V or Q values: the model weights "
+                "produce NaN or Inf"
+            )
         k, v = self.k_amax, self.v_amax
         if granularity == "layer":
             k, v = k.amax(1, keepdim=True), v.amax(1, keepdim=True)
         q = scales_from_amax(self.q_amax, margin) if self.q_amax is not None else None
-        return KVScales(k=scales_from_amax(k, margin), v=scales_from_amax(v, margin), k_amax=self.k_amax.clone(),
-                        v_amax=self.v_amax.clone(), tokens=self.tokens, margin=margin, q=q)
+        return KVScales(
+            k=scales_from_amax(k, margin),
+            v=scales_from_amax(v, margin),
+            k_amax=self.k_amax.clone(),
+            v_amax=self.v_amax.clone(),
+            tokens=self.tokens,
+            margin=margin,
+            q=q,
+        )
 
 
 class RecentSequences:
     """The calibration set: recent token sequences (prompt + response), newest first, cut to
     `max_seq_tokens` each and `max_tokens` in total."""
 
-    def __init__(self, max_tokens: int = CALIBRATION_TOKENS, max_seq_tokens: int = CALIBRATION_SEQ_TOKENS) -> None:
+    def __init__(
+        self, max_tokens: int = CALIBRATION_TOKENS, max_seq_tokens: int = CALIBRATION_SEQ_TOKENS
+    ) -> None:
         if max_tokens < 1 or max_seq_tokens < 1:
-            raise ConfigError(f"max_tokens={max_tokens} and max_seq_tokens={max_seq_tokens} must be >= 1")
+            raise ConfigError(
+                f"max_tokens={max_tokens} and max_seq_tokens={max_seq_tokens} must be >= 1"
+            )
         self.max_tokens, self.max_seq_tokens = max_tokens, max_seq_tokens
         self._sequences: list[list[int]] = []
 
@@ -173,7 +202,9 @@ def _fit(sequences: list[list[int]], budget: int) -> list[list[int]]:
     return out
 
 
-def fallback_sequences(vocab_size: int, count: int = 8, length: int = 64, seed: int = 0) -> list[list[int]]:
+def fallback_sequences(
+    vocab_size: int, count: int = 8, length: int = 64, seed: int = 0
+) -> list[list[int]]:
     """Seeded random token ids: the calibration set of last resort (no real prompt seen yet)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (count, length), generator=gen).tolist()
@@ -193,7 +224,9 @@ def padded_batches(
         start += count
 
 
-def _check_sequences(sequences: Sequence[Sequence[int]], vocab_size: int, max_len: int) -> list[list[int]]:
+def _check_sequences(
+    sequences: Sequence[Sequence[int]], vocab_size: int, max_len: int
+) -> list[list[int]]:
     seqs = [[int(t) for t in s[:max_len]] for s in sequences if len(s)]
     if not seqs:
         raise InputError("KV calibration needs at least one non-empty token sequence")
@@ -205,7 +238,9 @@ def _check_sequences(sequences: Sequence[Sequence[int]], vocab_size: int, max_le
 
 def _forward_batch(ids: torch.Tensor, window: int | None, observer: KVObserver) -> ForwardBatch:
     """A no-cache causal forward over right-padded `ids` [B, T] that reports K/V to `observer`."""
-    return ForwardBatch.prefill(ids.shape[0], ids.shape[1], ids.device, window, kv_observer=observer)
+    return ForwardBatch.prefill(
+        ids.shape[0], ids.shape[1], ids.device, window, kv_observer=observer
+    )
 
 
 @torch.no_grad()
@@ -261,9 +296,16 @@ def calibrate_from_weights(
     observer = KVAmaxObserver(config.num_layers, config.num_kv_heads, device, include_q)
     for layer in range(config.num_layers):
         for name in layer_names:
-            weights.apply(name, get_tensor(f"model.layers.{layer}." + name.removeprefix("model.layers.0.")).to(device))
+            weights.apply(
+                name,
+                get_tensor(f"model.layers.{layer}." + name.removeprefix("model.layers.0.")).to(
+                    device
+                ),
+            )
 
-        def observe(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int = layer) -> None:
+        def observe(
+            _: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int = layer
+        ) -> None:
             observer(layer, q, k, v)
 
         for i, (ids, valid) in enumerate(batches):
@@ -277,9 +319,14 @@ def calibrate_from_weights(
 def calibration_tensor_names(config: ModelConfig) -> list[str]:
     """The Hugging Face tensors `calibrate_from_weights` reads (embedding, every decoder layer)."""
     one = dataclasses.replace(config, num_layers=1, tie_word_embeddings=True)
-    per_layer = sorted(n.removeprefix("model.layers.0.") for n in WeightMap(Decoder(one, device="meta", max_len=1)).expected
-                       if n.startswith("model.layers.0."))
-    return ["model.embed_tokens.weight"] + [f"model.layers.{i}.{n}" for i in range(config.num_layers) for n in per_layer]
+    per_layer = sorted(
+        n.removeprefix("model.layers.0.")
+        for n in WeightMap(Decoder(one, device="meta", max_len=1)).expected
+        if n.startswith("model.layers.0.")
+    )
+    return ["model.embed_tokens.weight"] + [
+        f"model.layers.{i}.{n}" for i in range(config.num_layers) for n in per_layer
+    ]
 
 
 def checkpoint_getter(model_dir: str | Path) -> Callable[[str], torch.Tensor]:

@@ -37,13 +37,17 @@ def scale_granularity(
         options = (("kv_scale", kv_scale_given), ("kv_scale_granularity", granularity is not None))
         given = [name for name, value in options if value]
         if given:
-            raise ConfigError(f"{' and '.join(given)} apply to kv_cache_dtype='fp8'; this engine "
-                              f"has kv_cache_dtype={kv_cache_dtype!r}")
+            raise ConfigError(
+                f"{' and '.join(given)} apply to kv_cache_dtype='fp8'; this engine "
+                f"has kv_cache_dtype={kv_cache_dtype!r}"
+            )
         return None
     if kv_scale == "dynamic":
         if granularity not in (None, "token"):
-            raise ConfigError(f"kv_scale_granularity={granularity!r} does not apply to "
-                              "kv_scale='dynamic' (dynamic scales are per token and kv head)")
+            raise ConfigError(
+                f"kv_scale_granularity={granularity!r} does not apply to "
+                "kv_scale='dynamic' (dynamic scales are per token and kv head)"
+            )
         return "token"
     if granularity not in (None, *KV_SCALE_GRANULARITIES[:2]):
         raise ConfigError(f"kv_scale_granularity={granularity!r} is invalid; allowed: layer, head")
@@ -89,9 +93,7 @@ class KVScaleState:
         if self.calibrated:
             self.stale = True
 
-    def calibration_set(
-        self, sequences: Sequence[Sequence[int]] | None = None
-    ) -> list[list[int]]:
+    def calibration_set(self, sequences: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
         """`sequences` cut to the token budget of the automatic calibration set, or (None) the most
         recent generated sequences."""
         if sequences is None:
@@ -106,9 +108,11 @@ class KVScaleState:
         """Scales from a forward of `model` over `calibration_set(sequences)` (calibrated mode
         only; `record` stores them)."""
         if not self.calibrated:
-            raise ConfigError("calibrate_kv needs kv_cache_dtype='fp8' with "
-                              f"kv_scale='calibrated'; this engine has "
-                              f"kv_cache_dtype={self.kv_cache_dtype!r}, kv_scale={self.mode!r}")
+            raise ConfigError(
+                "calibrate_kv needs kv_cache_dtype='fp8' with "
+                f"kv_scale='calibrated'; this engine has "
+                f"kv_cache_dtype={self.kv_cache_dtype!r}, kv_scale={self.mode!r}"
+            )
         sequences = self.calibration_set(sequences)
         if not sequences:
             raise InputError("no calibration sequences: pass token ids, or generate first")
@@ -125,5 +129,9 @@ class KVScaleState:
     def stats(self) -> dict[str, float]:
         """``kv_calibrations``, ``kv_calibration_s`` (total), ``kv_calibration_last_s`` and
         ``kv_calibration_tokens`` (of the last calibration)."""
-        return {"kv_calibrations": self.calibrations, "kv_calibration_s": self.seconds,
-                "kv_calibration_last_s": self.last_s, "kv_calibration_tokens": self.last_tokens}
+        return {
+            "kv_calibrations": self.calibrations,
+            "kv_calibration_s": self.seconds,
+            "kv_calibration_last_s": self.last_s,
+            "kv_calibration_tokens": self.last_tokens,
+        }

@@ -79,11 +79,15 @@ def _index_shards(index: Path) -> list[Path]:
         raise CheckpointError(f"{index} is not valid JSON ({err})") from None
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{index} must be a JSON object whose \"weight_map\" maps tensor names to shard files")
+        raise CheckpointError(
+            f'{index} must be a JSON object whose "weight_map" maps tensor names to shard files'
+        )
     files = [index.parent / s for s in sorted(set(weight_map.values()))]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
-        raise FileNotFoundError(f"{index} names shard file(s) that do not exist: {', '.join(missing)}")
+        raise FileNotFoundError(
+            f"{index} names shard file(s) that do not exist: {', '.join(missing)}"
+        )
     return files
 
 
@@ -96,9 +100,12 @@ def iter_checkpoint_files(model_dir: str | Path) -> Iterator[tuple[Path, str, to
                 for name in handle.keys():
                     tensor = handle.get_tensor(name)
                     yield file, name, tensor
-        except SafetensorError as err:  # header: empty, truncated, not safetensors; data: out of bounds
-            raise CheckpointError(f"{file} is not a readable safetensors file ({err}); "
-                                  "re-save or re-download it") from None
+        except (
+            SafetensorError
+        ) as err:  # header: empty, truncated, not safetensors; data: out of bounds
+            raise CheckpointError(
+                f"{file} is not a readable safetensors file ({err}); re-save or re-download it"
+            ) from None
 
 
 def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -132,8 +139,14 @@ class WeightMap:
             names.add("lm_head.weight")
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight", p + "self_attn.o_proj.weight"}
-            names |= {p + f"self_attn.{s}.weight" for s in QKV_SHARDS} | {p + f"mlp.{s}.weight" for s in GATE_UP_SHARDS}
+            names |= {
+                p + "input_layernorm.weight",
+                p + "post_attention_layernorm.weight",
+                p + "self_attn.o_proj.weight",
+            }
+            names |= {p + f"self_attn.{s}.weight" for s in QKV_SHARDS} | {
+                p + f"mlp.{s}.weight" for s in GATE_UP_SHARDS
+            }
             names.add(p + "mlp.down_proj.weight")
             if c.qkv_bias:
                 names |= {p + f"self_attn.{s}.bias" for s in QKV_SHARDS}
@@ -148,19 +161,31 @@ class WeightMap:
     def resolve(self, name: str) -> list[Target]:
         """The decoder target(s) of HF tensor `name`; a `WeightError` naming it when unknown."""
         if not isinstance(name, str) or (
-            name not in self.expected and not (name == "lm_head.weight" and self.model.config.tie_word_embeddings)
+            name not in self.expected
+            and not (name == "lm_head.weight" and self.model.config.tie_word_embeddings)
         ):
-            close = difflib.get_close_matches(name, sorted(self.expected), n=3) if isinstance(name, str) else []
+            close = (
+                difflib.get_close_matches(name, sorted(self.expected), n=3)
+                if isinstance(name, str)
+                else []
+            )
             hint = f"; similar expected names: {', '.join(close)}" if close else ""
-            raise WeightError(f"unexpected tensor {name!r} for a {self.model.config.family} model "
-                              f"({self.model.config.num_layers} layers){hint}")
+            raise WeightError(
+                f"unexpected tensor {name!r} for a {self.model.config.family} model "
+                f"({self.model.config.num_layers} layers){hint}"
+            )
         module, _, kind = name.rpartition(".")
         if name == "model.embed_tokens.weight":
             targets = [Target("embed_tokens", "param")]
-            if self.model.config.tie_word_embeddings and self.model.lm_head.weight is not self.model.embed_tokens.weight:
+            if (
+                self.model.config.tie_word_embeddings
+                and self.model.lm_head.weight is not self.model.embed_tokens.weight
+            ):
                 targets.append(Target("lm_head", "weight"))
             return targets
-        engine_module = module.removeprefix("model.")  # the engine's modules carry no "model." prefix
+        engine_module = module.removeprefix(
+            "model."
+        )  # the engine's modules carry no "model." prefix
         parent, _, leaf = engine_module.rpartition(".")
         if leaf in _FUSED:
             fused, shard = _FUSED[leaf]
@@ -178,19 +203,29 @@ class WeightMap:
         without NaN or Inf. Raises a `WeightError` naming the tensor and what is allowed."""
         targets = self.resolve(name)
         if not isinstance(tensor, torch.Tensor):
-            raise WeightError(f"tensor {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
+            raise WeightError(
+                f"tensor {name!r} must be a torch.Tensor, got {type(tensor).__name__}"
+            )
         if tensor.layout != torch.strided:
-            raise WeightError(f"tensor {name!r} has layout {tensor.layout}; only dense (strided) "
-                              "tensors are allowed")
+            raise WeightError(
+                f"tensor {name!r} has layout {tensor.layout}; only dense (strided) "
+                "tensors are allowed"
+            )
         if tensor.dtype not in WEIGHT_DTYPES:
-            raise WeightError(f"tensor {name!r} has dtype {tensor.dtype}; "
-                              "allowed: float32, bfloat16, float16 or float64")
+            raise WeightError(
+                f"tensor {name!r} has dtype {tensor.dtype}; "
+                "allowed: float32, bfloat16, float16 or float64"
+            )
         if tensor.is_meta:
-            raise WeightError(f"tensor {name!r} is on the meta device (it has no data); send materialised tensors")
+            raise WeightError(
+                f"tensor {name!r} is on the meta device (it has no data); send materialised tensors"
+            )
         for target in targets:
             expected = self.expected_shape(target)
             if tuple(tensor.shape) != expected:
-                raise WeightError(f"tensor {name!r} has shape {tuple(tensor.shape)}; expected {expected}")
+                raise WeightError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}; expected {expected}"
+                )
         if finite:
             check_finite(name, tensor)
         return targets
@@ -208,7 +243,9 @@ class WeightMap:
         return (rows, module.in_features) if target.kind == "weight" else (rows,)
 
     @torch.no_grad()
-    def apply(self, name: str, tensor: torch.Tensor, count_changed: bool = False, checked: bool = False) -> int:
+    def apply(
+        self, name: str, tensor: torch.Tensor, count_changed: bool = False, checked: bool = False
+    ) -> int:
         """Write one HF tensor into the decoder in place (validated first unless `checked`: the
         caller ran `check` on it); with `count_changed`, returns how many quantized codes changed
         (0 for layers kept in high precision)."""
@@ -226,7 +263,9 @@ class WeightMap:
 
     @torch.no_grad()
     def write(
-        self, items: list[tuple[str, torch.Tensor]], device: torch.device,
+        self,
+        items: list[tuple[str, torch.Tensor]],
+        device: torch.device,
         count_changed: bool = False,
     ) -> tuple[float, float, int]:
         """`apply` tensors that `check` accepted, each copied to `device` first; returns seconds
@@ -243,9 +282,11 @@ class WeightMap:
                 changed += self.apply(name, on_device, count_changed=count_changed, checked=True)
                 synchronize(device)
             except Exception as err:  # validated, so only the device can fail here
-                err.add_note(f"update_weights failed at tensor {name!r} after writing {done} of "
-                             f"{len(items)} tensors: the engine holds a partial update; send the "
-                             "whole update again")
+                err.add_note(
+                    f"update_weights failed at tensor {name!r} after writing {done} of "
+                    f"{len(items)} tensors: the engine holds a partial update; send the "
+                    "whole update again"
+                )
                 raise
             transfer += t1 - t0
             requant += time.perf_counter() - t1
@@ -278,7 +319,9 @@ class WeightMap:
         """`load` from the safetensors files of `model_dir`; errors name the file and the tensor."""
         self._load(iter_checkpoint_files(model_dir), source=str(model_dir))
 
-    def _load(self, items: Iterable[tuple[Path | None, str, torch.Tensor]], source: str = "checkpoint") -> None:
+    def _load(
+        self, items: Iterable[tuple[Path | None, str, torch.Tensor]], source: str = "checkpoint"
+    ) -> None:
         seen: set[str] = set()
         for file, name, tensor in items:
             if IGNORED.match(name):
@@ -291,7 +334,9 @@ class WeightMap:
         missing = sorted(self.expected - seen)
         if missing:
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-            raise CheckpointError(f"{source} is missing {len(missing)} tensor(s): {', '.join(missing[:8])}{more}")
+            raise CheckpointError(
+                f"{source} is missing {len(missing)} tensor(s): {', '.join(missing[:8])}{more}"
+            )
 
 
 def check_finite(name: str, tensor: torch.Tensor) -> None:
@@ -307,5 +352,7 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
     bad = ~torch.isfinite(tensor)
     count = int(bad.sum())
     first = tuple(int(i) for i in bad.nonzero()[0].tolist())
-    raise WeightError(f"tensor {name!r} contains {count} non-finite value(s) (NaN or Inf), first "
-                      f"at index {first}; weights must be finite")
+    raise WeightError(
+        f"tensor {name!r} contains {count} non-finite value(s) (NaN or Inf), first "
+        f"at index {first}; weights must be finite"
+    )

@@ -3,4 +3,12 @@
 from flashrl.quant.linear import DEFAULT_SKIP, QuantLinear, QuantReport, quantize_
 from flashrl.quant.schemes import SCHEMES, QuantScheme, get_scheme
 
-__all__ = ["DEFAULT_SKIP", "SCHEMES", "QuantLinear", "QuantReport", "QuantScheme", "get_scheme", "quantize_"]
+__all__ = [
+    "DEFAULT_SKIP",
+    "SCHEMES",
+    "QuantLinear",
+    "QuantReport",
+    "QuantScheme",
+    "get_scheme",
+    "quantize_",
+]

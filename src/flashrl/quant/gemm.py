@@ -39,7 +39,9 @@ INT_MM_MIN_ROWS_CUDA = 17
 _warned_block_reference = False
 
 
-def check_gemm_shape(scheme: QuantScheme, in_features: int, out_features: int, device: torch.device) -> None:
+def check_gemm_shape(
+    scheme: QuantScheme, in_features: int, out_features: int, device: torch.device
+) -> None:
     """Raise when a layer shape cannot run on `device`'s kernels for `scheme` (CUDA constraints)."""
     if device.type != "cuda" or not scheme.is_quantized:
         return
@@ -105,7 +107,9 @@ def fp8_linear(
     out_dtype = out_dtype or x.dtype
     xq, x_scale = quantize_activation(x, scheme)
     if w_scale.numel() == 1 and x_scale.numel() == 1 and x.is_cuda:
-        y = torch._scaled_mm(xq, wq.t(), x_scale.reshape(()), w_scale.reshape(()), out_dtype=out_dtype)
+        y = torch._scaled_mm(
+            xq, wq.t(), x_scale.reshape(()), w_scale.reshape(()), out_dtype=out_dtype
+        )
     else:
         scale_a = x_scale.reshape(-1, 1).expand(xq.shape[0], 1).contiguous()
         scale_b = w_scale.reshape(1, -1).expand(1, wq.shape[0]).contiguous()
@@ -132,7 +136,9 @@ def fp8_block_linear(
     """
     global _warned_block_reference
     if x.is_cuda and not _warned_block_reference:
-        logger.warning("fp8_block runs the reference (dequantize + matmul) path on CUDA: correct but not fast")
+        logger.warning(
+            "fp8_block runs the reference (dequantize + matmul) path on CUDA: correct but not fast"
+        )
         _warned_block_reference = True
     xq, x_scale = quantize_activation(x, scheme)
     x_deq = dequantize_per_group(xq, x_scale, scheme.group_size)

@@ -46,7 +46,9 @@ class _ShardedLinear:
     def shard_rows(self, shard: int) -> tuple[int, int]:
         """Row range [start, end) of shard `shard` in the fused weight."""
         if not 0 <= shard < len(self.shard_sizes):
-            raise IndexError(f"shard {shard} out of range for a layer with {len(self.shard_sizes)} shard(s)")
+            raise IndexError(
+                f"shard {shard} out of range for a layer with {len(self.shard_sizes)} shard(s)"
+            )
         start = sum(self.shard_sizes[:shard])
         return start, start + self.shard_sizes[shard]
 
@@ -81,20 +83,32 @@ class QuantLinear(_ShardedLinear, nn.Module):
         super().__init__()
         scheme = get_scheme(scheme)
         if not scheme.is_quantized:
-            raise ValueError(f"scheme {scheme.name!r} does not quantize; keep the layer as nn.Linear")
+            raise ValueError(
+                f"scheme {scheme.name!r} does not quantize; keep the layer as nn.Linear"
+            )
         shards = tuple(int(s) for s in (shard_sizes or (out_features,)))
         if sum(shards) != out_features or min(shards) <= 0:
-            raise ValueError(f"shard_sizes {shards} must be positive and sum to out_features={out_features}")
+            raise ValueError(
+                f"shard_sizes {shards} must be positive and sum to out_features={out_features}"
+            )
         device = torch.device(device) if device is not None else torch.device("cpu")
         check_gemm_shape(scheme, in_features, out_features, device)
         self.in_features, self.out_features = in_features, out_features
         self.scheme, self.shard_sizes, self.dtype = scheme, shards, dtype
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=scheme.code_dtype, device=device))
-        self.register_buffer("weight_scale", torch.ones(self._scale_shape(), dtype=torch.float32, device=device))
+        self.register_buffer(
+            "weight", torch.zeros(out_features, in_features, dtype=scheme.code_dtype, device=device)
+        )
+        self.register_buffer(
+            "weight_scale", torch.ones(self._scale_shape(), dtype=torch.float32, device=device)
+        )
         # Per-tensor over several shards: the GEMM needs one scale per row, kept in its own buffer.
         self.row_scale: torch.Tensor | None
         if scheme.weight_granularity == "tensor" and len(shards) > 1:
-            self.register_buffer("row_scale", torch.ones(out_features, dtype=torch.float32, device=device), persistent=False)
+            self.register_buffer(
+                "row_scale",
+                torch.ones(out_features, dtype=torch.float32, device=device),
+                persistent=False,
+            )
         else:
             self.row_scale = None
         self.bias: torch.Tensor | None
@@ -108,7 +122,7 @@ class QuantLinear(_ShardedLinear, nn.Module):
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, scheme: str | QuantScheme, shard_sizes: Iterable[int] | None = None
-    ) -> "QuantLinear":
+    ) -> QuantLinear:
         """Quantize an `nn.Linear` (its weight and bias are read, not modified)."""
         weight = linear.weight.detach()
         layer = cls(
@@ -150,7 +164,9 @@ class QuantLinear(_ShardedLinear, nn.Module):
     # ---------------------------------------------------------------- requantization
 
     @torch.no_grad()
-    def requantize_(self, weight: torch.Tensor, shard: int | None = None, count_changed: bool = False) -> int:
+    def requantize_(
+        self, weight: torch.Tensor, shard: int | None = None, count_changed: bool = False
+    ) -> int:
         """Re-quantize in place from a new high-precision weight (the full [N, K], or one shard's rows).
 
         Scales are computed from `weight` only and overwrite the old ones. Returns the number of
@@ -171,8 +187,13 @@ class QuantLinear(_ShardedLinear, nn.Module):
             for i in shards:
                 start, end = self.shard_rows(i)
                 local = weight[start - rows[0] : end - rows[0]]
-                quantize_weight(local, self.scheme, out=self.weight[start:end], scale_out=self._shard_scale(i),
-                                name=f"weight shard {i}" if len(self.shard_sizes) > 1 else "weight")
+                quantize_weight(
+                    local,
+                    self.scheme,
+                    out=self.weight[start:end],
+                    scale_out=self._shard_scale(i),
+                    name=f"weight shard {i}" if len(self.shard_sizes) > 1 else "weight",
+                )
                 if self.row_scale is not None:
                     self.row_scale[start:end].copy_(self.weight_scale[i].expand(end - start))
         if old is None:
@@ -184,12 +205,16 @@ class QuantLinear(_ShardedLinear, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.row_scale if self.row_scale is not None else self.weight_scale
-        return scaled_linear(x, self.weight, scale, self.scheme, self.bias, x.dtype, self.shard_sizes)
+        return scaled_linear(
+            x, self.weight, scale, self.scheme, self.bias, x.dtype, self.shard_sizes
+        )
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the layer effectively multiplies by: codes times scales."""
         if self.scheme.weight_granularity == "block":
-            return dequantize_per_block_shards(self.weight, self.weight_scale, self.scheme.block_size, self.shard_sizes, dtype)
+            return dequantize_per_block_shards(
+                self.weight, self.weight_scale, self.scheme.block_size, self.shard_sizes, dtype
+            )
         scale = self.row_scale[:, None] if self.row_scale is not None else self.weight_scale
         return dequantize_per_row(self.weight, scale, dtype)
 
@@ -220,19 +245,25 @@ class DenseLinear(_ShardedLinear, nn.Linear):
             self.bias.requires_grad_(False)
         self.shard_sizes = tuple(int(s) for s in (shard_sizes or (out_features,)))
         if sum(self.shard_sizes) != out_features:
-            raise ValueError(f"shard_sizes {self.shard_sizes} must sum to out_features={out_features}")
+            raise ValueError(
+                f"shard_sizes {self.shard_sizes} must sum to out_features={out_features}"
+            )
 
     def reset_parameters(self) -> None:  # weights are always loaded; skip the random init
         pass
 
     @torch.no_grad()
-    def requantize_(self, weight: torch.Tensor, shard: int | None = None, count_changed: bool = False) -> int:
+    def requantize_(
+        self, weight: torch.Tensor, shard: int | None = None, count_changed: bool = False
+    ) -> int:
         """Copy a new weight (full, or one shard's rows) in place, cast to the layer dtype."""
         check_float_input(weight, "weight")
         start, end = (0, self.out_features) if shard is None else self.shard_rows(shard)
         if tuple(weight.shape) != (end - start, self.in_features):
             what = "weight" if shard is None else f"shard {shard} weight"
-            raise InputError(f"{what} has shape {tuple(weight.shape)}; expected {(end - start, self.in_features)}")
+            raise InputError(
+                f"{what} has shape {tuple(weight.shape)}; expected {(end - start, self.in_features)}"
+            )
         target = self.weight[start:end]
         old = target.clone() if count_changed else None
         target.copy_(weight)
@@ -247,7 +278,7 @@ def make_linear(
     shard_sizes: Iterable[int] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
-) -> "QuantLinear | DenseLinear":
+) -> QuantLinear | DenseLinear:
     """An empty linear layer of `scheme` (weights are loaded afterwards with `requantize_`)."""
     scheme = get_scheme(scheme)
     if scheme.is_quantized:
@@ -256,6 +287,7 @@ def make_linear(
 
 
 # -------------------------------------------------------------------- model-level API
+
 
 def matches_any(name: str, patterns: Iterable[str]) -> bool:
     """Whether module name `name` matches a skip pattern: a glob (``"lm_head"``, ``"*.down_proj"``,
@@ -304,7 +336,9 @@ def model_nbytes(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def quantize_(model: nn.Module, scheme: str | QuantScheme, skip: Iterable[str] = DEFAULT_SKIP) -> QuantReport:
+def quantize_(
+    model: nn.Module, scheme: str | QuantScheme, skip: Iterable[str] = DEFAULT_SKIP
+) -> QuantReport:
     """Replace every `nn.Linear` of `model` (except those matching `skip`) by a `QuantLinear`, in place.
 
     Layers are selected by type, not by name suffix; `skip` takes globs or ``"re:"`` regexes over

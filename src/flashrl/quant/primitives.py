@@ -48,7 +48,9 @@ def qmax_of(code_dtype: torch.dtype) -> float:
         return 127.0
     if code_dtype == torch.float8_e4m3fn:
         return 448.0
-    raise ValueError(f"unsupported code dtype {code_dtype}; allowed: torch.int8, torch.float8_e4m3fn")
+    raise ValueError(
+        f"unsupported code dtype {code_dtype}; allowed: torch.int8, torch.float8_e4m3fn"
+    )
 
 
 def check_float_input(x: torch.Tensor, name: str = "tensor", ndim: int | None = 2) -> None:
@@ -87,7 +89,9 @@ def _abs_max(t: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch
     return torch.maximum(t.amax(dim=dim, keepdim=True), t.amin(dim=dim, keepdim=True).neg())
 
 
-def scale_from_amax(amax: torch.Tensor, qmax: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def scale_from_amax(
+    amax: torch.Tensor, qmax: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``max(amax, 1e-10) / qmax`` in fp32 (rules 2 and 4), written into `out` when given."""
     # Divide by a tensor on amax's device, not by the Python float: CUDA torch turns division by a
     # CPU scalar into a multiply by its reciprocal (rule 4), which differs from amax / qmax in the
@@ -117,7 +121,9 @@ def _upcast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(torch.float64 if dtype == torch.float64 else torch.float32)
 
 
-def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
+def _check_out(
+    out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, name: str
+) -> None:
     if out is None:
         return
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
@@ -202,7 +208,9 @@ def quantize_per_tensor(
     return out, scale
 
 
-def dequantize_per_tensor(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_per_tensor(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     return dequantize_per_row(q, scale, dtype)  # the same broadcast multiply
 
 
@@ -221,7 +229,11 @@ def quantize_per_row(
     """One fp32 scale per row of a 2-D tensor. Returns (codes [R, C], scales [R, 1])."""
     _check_out(out, tuple(x.shape), code_dtype, "out")
     _check_out(scale_out, (x.shape[0], 1), torch.float32, "scale_out")
-    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device) if scale_out is None else scale_out
+    scale = (
+        torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        if scale_out is None
+        else scale_out
+    )
     qmax = qmax_of(code_dtype)
 
     def scale_chunk_(chunk: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -232,7 +244,9 @@ def quantize_per_row(
     return _quantize_chunked(x, code_dtype, out, scale_chunk_, check_finite=check_finite), scale
 
 
-def dequantize_per_row(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_per_row(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Codes times a broadcastable scale ([R, 1] per row, [] per tensor), in `dtype`."""
     return (_upcast(q, dtype) * _upcast(scale, dtype)).to(dtype)
 
@@ -262,7 +276,9 @@ def quantize_per_block(
     grid = block_grid(tuple(w.shape), block)
     _check_out(out, tuple(w.shape), code_dtype, "out")
     _check_out(scale_out, grid, torch.float32, "scale_out")
-    scale = torch.empty(grid, dtype=torch.float32, device=w.device) if scale_out is None else scale_out
+    scale = (
+        torch.empty(grid, dtype=torch.float32, device=w.device) if scale_out is None else scale_out
+    )
     qmax, (bn, bk) = qmax_of(code_dtype), block
 
     def scale_chunk_(chunk: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -273,15 +289,24 @@ def quantize_per_block(
         tiles.div_(s[:, None, :, None])
         return s
 
-    out = _quantize_chunked(w, code_dtype, out, scale_chunk_, row_align=bn, col_align=bk, check_finite=check_finite)
+    out = _quantize_chunked(
+        w, code_dtype, out, scale_chunk_, row_align=bn, col_align=bk, check_finite=check_finite
+    )
     return out, scale
 
 
 def dequantize_per_block(
-    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.float32
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     n, k = q.shape
-    expanded = _upcast(scale, dtype).repeat_interleave(block[0], dim=0)[:n].repeat_interleave(block[1], dim=1)[:, :k]
+    expanded = (
+        _upcast(scale, dtype)
+        .repeat_interleave(block[0], dim=0)[:n]
+        .repeat_interleave(block[1], dim=1)[:, :k]
+    )
     return (_upcast(q, dtype) * expanded).to(dtype)
 
 
@@ -299,7 +324,11 @@ def dequantize_per_block_shards(
     parts, row, block_row = [], 0, 0
     for size in shard_sizes:
         nb = math.ceil(size / block[0])
-        parts.append(dequantize_per_block(q[row : row + size], scale[block_row : block_row + nb], block, dtype))
+        parts.append(
+            dequantize_per_block(
+                q[row : row + size], scale[block_row : block_row + nb], block, dtype
+            )
+        )
         row, block_row = row + size, block_row + nb
     return torch.cat(parts)
 
@@ -322,7 +351,11 @@ def quantize_per_group(
     groups = math.ceil(k / group)
     _check_out(out, (m, k), code_dtype, "out")
     _check_out(scale_out, (m, groups), torch.float32, "scale_out")
-    scale = torch.empty(m, groups, dtype=torch.float32, device=x.device) if scale_out is None else scale_out
+    scale = (
+        torch.empty(m, groups, dtype=torch.float32, device=x.device)
+        if scale_out is None
+        else scale_out
+    )
     qmax = qmax_of(code_dtype)
 
     def scale_chunk_(chunk: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -331,7 +364,9 @@ def quantize_per_group(
         tiles.div_(s[:, :, None])
         return s
 
-    return _quantize_chunked(x, code_dtype, out, scale_chunk_, col_align=group, check_finite=check_finite), scale
+    return _quantize_chunked(
+        x, code_dtype, out, scale_chunk_, col_align=group, check_finite=check_finite
+    ), scale
 
 
 def dequantize_per_group(
@@ -395,7 +430,9 @@ def quantize_weight(
             return impl.quantize_per_tensor(w, scheme.code_dtype, out, scale_out, check_finite)
         if scheme.weight_granularity == "channel":
             return impl.quantize_per_row(w, scheme.code_dtype, out, scale_out, check_finite)
-        return impl.quantize_per_block(w, scheme.code_dtype, scheme.block_size, out, scale_out, check_finite)
+        return impl.quantize_per_block(
+            w, scheme.code_dtype, scheme.block_size, out, scale_out, check_finite
+        )
     except InputError as err:
         raise InputError(f"{name}: {err}") from None
 
@@ -424,4 +461,6 @@ def quantize_activation(
         return impl.quantize_per_tensor(x, scheme.code_dtype, check_finite=check_finite)
     if scheme.activation_granularity == "token":
         return impl.quantize_per_row(x, scheme.code_dtype, check_finite=check_finite)
-    return impl.quantize_per_group(x, scheme.code_dtype, scheme.group_size, check_finite=check_finite)
+    return impl.quantize_per_group(
+        x, scheme.code_dtype, scheme.group_size, check_finite=check_finite
+    )

@@ -81,9 +81,7 @@ def get_scheme(scheme: str | QuantScheme) -> QuantScheme:
     if isinstance(scheme, QuantScheme):
         return scheme
     if not isinstance(scheme, str) or scheme.strip().lower() not in SCHEMES:
-        raise ConfigError(
-            f"unknown quantization scheme {scheme!r}; allowed: {', '.join(SCHEMES)}"
-        )
+        raise ConfigError(f"unknown quantization scheme {scheme!r}; allowed: {', '.join(SCHEMES)}")
     return SCHEMES[scheme.strip().lower()]
 
 

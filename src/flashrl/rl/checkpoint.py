@@ -66,7 +66,7 @@ def append_line(path: str | Path, line: str) -> None:
     try:
         view = memoryview(data)
         while view:  # one call unless the kernel accepts only part of it (a full disk)
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -99,8 +99,10 @@ def check_output_dir(output_dir: str | Path) -> Path:
     for part in (path, *path.parents):
         if part.exists() and not part.is_dir():
             what = "" if part == path else f": {str(part)!r}"
-            raise ConfigError(f"run.output_dir={str(path)!r}{what} is a file; allowed: a directory "
-                              f"(new or existing)")
+            raise ConfigError(
+                f"run.output_dir={str(path)!r}{what} is a file; allowed: a directory "
+                f"(new or existing)"
+            )
     return path
 
 
@@ -120,8 +122,12 @@ def run_files(output_dir: Path) -> list[Path]:
     """The files and directories of a run in `output_dir` (metrics, config, plots, checkpoints)."""
     if not output_dir.is_dir():
         return []
-    return sorted(p for p in output_dir.iterdir()
-                  if p.name in RUN_OUTPUTS or any(r.fullmatch(p.name) for r in (_CHECKPOINT, _DAMAGED, _PARTIAL)))
+    return sorted(
+        p
+        for p in output_dir.iterdir()
+        if p.name in RUN_OUTPUTS
+        or any(r.fullmatch(p.name) for r in (_CHECKPOINT, _DAMAGED, _PARTIAL))
+    )
 
 
 def holds_run(output_dir: Path) -> list[str]:
@@ -148,9 +154,11 @@ def refuse_existing_run(output_dir: Path, overwrite: bool) -> None:
         return
     if not overwrite:
         shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
-        raise CheckpointError(f"output_dir {str(output_dir)!r} already holds a run ({shown}); "
-                              f"continue it with --run.resume latest, delete it with --run.overwrite "
-                              f"true, or choose another --run.output-dir")
+        raise CheckpointError(
+            f"output_dir {str(output_dir)!r} already holds a run ({shown}); "
+            f"continue it with --run.resume latest, delete it with --run.overwrite "
+            f"true, or choose another --run.output-dir"
+        )
     remove(run_files(output_dir), "--run.overwrite: a fresh run replaces the run in this directory")
 
 
@@ -181,12 +189,19 @@ def prune_checkpoints(output_dir: Path, keep_last: int | None) -> None:
 # ------------------------------------------------------------------ checkpoint contents
 
 
-def trainer_state(step: int, optimizer: torch.optim.Optimizer, config: dict[str, Any]) -> dict[str, Any]:
+def trainer_state(
+    step: int, optimizer: torch.optim.Optimizer, config: dict[str, Any]
+) -> dict[str, Any]:
     """What `trainer_state.pt` holds: tensors and plain containers only (loadable with
     weights_only)."""
     version, internal, gauss = random.getstate()
-    return dict(step=step, optimizer=optimizer.state_dict(), config=config,
-                python_rng=[version, list(internal), gauss], torch_rng=torch.get_rng_state())
+    return dict(
+        step=step,
+        optimizer=optimizer.state_dict(),
+        config=config,
+        python_rng=[version, list(internal), gauss],
+        torch_rng=torch.get_rng_state(),
+    )
 
 
 def restore_rng(state: dict[str, Any]) -> None:
@@ -205,12 +220,18 @@ def load_state(path: Path) -> dict[str, Any]:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # damaged zip, truncated file, or a pickle that needs code to load
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(f"{file}: damaged or not a flashrl trainer state, refused ({reason}); only tensors "
-                              f"and plain containers are loaded (weights_only), never code") from None
-    expected = dict(step=int, optimizer=dict, config=dict, python_rng=(list, tuple), torch_rng=torch.Tensor)
+        raise CheckpointError(
+            f"{file}: damaged or not a flashrl trainer state, refused ({reason}); only tensors "
+            f"and plain containers are loaded (weights_only), never code"
+        ) from None
+    expected = dict(
+        step=int, optimizer=dict, config=dict, python_rng=(list, tuple), torch_rng=torch.Tensor
+    )
     for key, kind in expected.items():
         if not isinstance(state, dict) or not isinstance(state.get(key), kind):
-            raise CheckpointError(f"{file}: damaged or not a flashrl trainer state (no valid {key!r} entry)")
+            raise CheckpointError(
+                f"{file}: damaged or not a flashrl trainer state (no valid {key!r} entry)"
+            )
     return state
 
 
@@ -250,10 +271,13 @@ def find_latest(output_dir: Path) -> tuple[Path, dict[str, Any], list[tuple[Path
         except CheckpointError as err:
             damaged.append((path, str(err)))
     if not damaged:
-        raise CheckpointError(f"--run.resume latest: no checkpoint-<step> directory in "
-                              f"{str(output_dir)!r}")
-    raise CheckpointError(f"--run.resume latest: no complete checkpoint in {str(output_dir)!r}: "
-                          + "; ".join(why for _, why in damaged))
+        raise CheckpointError(
+            f"--run.resume latest: no checkpoint-<step> directory in {str(output_dir)!r}"
+        )
+    raise CheckpointError(
+        f"--run.resume latest: no complete checkpoint in {str(output_dir)!r}: "
+        + "; ".join(why for _, why in damaged)
+    )
 
 
 def set_damaged_aside(damaged: list[tuple[Path, str]], resumed: Path) -> None:
@@ -261,7 +285,13 @@ def set_damaged_aside(damaged: list[tuple[Path, str]], resumed: Path) -> None:
     them."""
     for path, why in damaged:
         target = path.with_name(path.name + ".damaged")
-        logger.warning("%s is damaged (%s); resuming from %s and renaming it to %s", path, why, resumed, target.name)
+        logger.warning(
+            "%s is damaged (%s); resuming from %s and renaming it to %s",
+            path,
+            why,
+            resumed,
+            target.name,
+        )
         shutil.rmtree(target, ignore_errors=True)
         path.rename(target)
 
@@ -270,7 +300,9 @@ PATH_FIELDS = ("model", "data.path")
 """Config fields naming a path: two spellings of the same file are no difference."""
 
 
-def config_differences(stored: dict[str, Any], current: dict[str, Any], free: set[str]) -> list[str]:
+def config_differences(
+    stored: dict[str, Any], current: dict[str, Any], free: set[str]
+) -> list[str]:
     """'field: A in the checkpoint, B now' for every field outside `free` whose value differs
     (both configs as dotted values, `flashrl.rl.config_build.stored_values`)."""
     out = []
@@ -278,8 +310,12 @@ def config_differences(stored: dict[str, Any], current: dict[str, Any], free: se
         if name in free or name not in stored or stored[name] == value:
             continue
         old = stored[name]
-        if name in PATH_FIELDS and isinstance(old, str) and isinstance(value, str) \
-                and Path(old).resolve() == Path(value).resolve():
+        if (
+            name in PATH_FIELDS
+            and isinstance(old, str)
+            and isinstance(value, str)
+            and Path(old).resolve() == Path(value).resolve()
+        ):
             continue
         out.append(f"{name}: {old!r} in the checkpoint, {value!r} now")
     return out
@@ -301,11 +337,17 @@ def _metrics_lines(path: Path) -> list[tuple[dict[str, Any], str]]:
                 raise ValueError("not a JSON object with an integer 'step'")
         except ValueError as err:  # also UnicodeDecodeError and JSONDecodeError
             if k == len(numbered) - 1:
-                logger.warning("%s line %d is torn (a write interrupted by a crash or a full "
-                               "disk): dropped it", path, i)
+                logger.warning(
+                    "%s line %d is torn (a write interrupted by a crash or a full "
+                    "disk): dropped it",
+                    path,
+                    i,
+                )
                 break
-            raise CheckpointError(f"{path} line {i} is damaged ({err}); only the last line may be torn: "
-                                  f"repair or delete line {i}") from None
+            raise CheckpointError(
+                f"{path} line {i} is damaged ({err}); only the last line may be torn: "
+                f"repair or delete line {i}"
+            ) from None
         out.append((row, text))
     return out
 

@@ -37,10 +37,22 @@ from flashrl.rl.rewards import REWARDS
 BACKENDS = ("builtin", "vllm")
 ROLLOUT_DTYPES = ("bf16", "fp16", "fp32")
 TRAINER_DTYPES = ("fp32", "bf16")
-RESUME_FREE_FIELDS = ("run.steps", "algo.lr", "run.output_dir", "run.save_every", "run.keep_last",
-                      "run.resume", "run.resume_allow_changes", "run.overwrite", "run.plot",
-                      "run.compare", "run.device", "run.max_batch", "run.micro_batch_size",
-                      "run.vllm_kwargs")
+RESUME_FREE_FIELDS = (
+    "run.steps",
+    "algo.lr",
+    "run.output_dir",
+    "run.save_every",
+    "run.keep_last",
+    "run.resume",
+    "run.resume_allow_changes",
+    "run.overwrite",
+    "run.plot",
+    "run.compare",
+    "run.device",
+    "run.max_batch",
+    "run.micro_batch_size",
+    "run.vllm_kwargs",
+)
 """Fields a resumed run may change freely: the length of the run, the learning rate, where outputs
 go and how the work is laid out on the machine. Every other field changes what the run computes
 and must match the checkpoint's config unless named in ``run.resume_allow_changes``."""
@@ -138,8 +150,9 @@ class RunConfig:
         try:
             value = json.loads(self.vllm_kwargs)
         except json.JSONDecodeError as err:
-            raise ConfigError(f"run.vllm_kwargs={self.vllm_kwargs!r} is not valid JSON "
-                              f"({err.msg})") from None
+            raise ConfigError(
+                f"run.vllm_kwargs={self.vllm_kwargs!r} is not valid JSON ({err.msg})"
+            ) from None
         if not isinstance(value, dict):
             raise ConfigError(f"run.vllm_kwargs={self.vllm_kwargs!r} must be a JSON object")
         return value
@@ -147,8 +160,13 @@ class RunConfig:
 
 DEFAULT_ROLLOUT = RolloutConfig(quant="int8")
 """The rollout group of a `TrainConfig` that sets none (int8 weights, the rest RolloutConfig's)."""
-GROUPS: dict[str, type] = {"data": DataConfig, "rollout": RolloutConfig,
-                           "correction": CorrectionConfig, "algo": AlgoConfig, "run": RunConfig}
+GROUPS: dict[str, type] = {
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "correction": CorrectionConfig,
+    "algo": AlgoConfig,
+    "run": RunConfig,
+}
 """The nested groups of `TrainConfig`, in order."""
 
 
@@ -170,20 +188,27 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise a ConfigError naming the first invalid field (dotted) and what is allowed."""
         d, a, r = self.data, self.algo, self.run
-        choices = {"run.backend": (r.backend, BACKENDS),
-                   "algo.advantage": (a.advantage, ADVANTAGES),
-                   "data.reward": (d.reward, tuple(REWARDS)),
-                   "algo.loss_aggregation": (a.loss_aggregation, AGGREGATIONS),
-                   "run.trainer_dtype": (r.trainer_dtype, TRAINER_DTYPES),
-                   "run.rollout_dtype": (r.rollout_dtype, ROLLOUT_DTYPES)}
+        choices = {
+            "run.backend": (r.backend, BACKENDS),
+            "algo.advantage": (a.advantage, ADVANTAGES),
+            "data.reward": (d.reward, tuple(REWARDS)),
+            "algo.loss_aggregation": (a.loss_aggregation, AGGREGATIONS),
+            "run.trainer_dtype": (r.trainer_dtype, TRAINER_DTYPES),
+            "run.rollout_dtype": (r.rollout_dtype, ROLLOUT_DTYPES),
+        }
         for name, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ConfigError(f"{name}={value!r} is invalid; allowed: {', '.join(allowed)}")
-        positive = {"run.steps": r.steps, "algo.batch_size": a.batch_size,
-                    "algo.group_size": a.group_size, "algo.mini_batches": a.mini_batches,
-                    "run.micro_batch_size": r.micro_batch_size,
-                    "algo.max_prompt_tokens": a.max_prompt_tokens,
-                    "algo.max_response_tokens": a.max_response_tokens, "run.max_batch": r.max_batch}
+        positive = {
+            "run.steps": r.steps,
+            "algo.batch_size": a.batch_size,
+            "algo.group_size": a.group_size,
+            "algo.mini_batches": a.mini_batches,
+            "run.micro_batch_size": r.micro_batch_size,
+            "algo.max_prompt_tokens": a.max_prompt_tokens,
+            "algo.max_response_tokens": a.max_response_tokens,
+            "run.max_batch": r.max_batch,
+        }
         for name, value in positive.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
@@ -191,13 +216,17 @@ class TrainConfig:
         if a.lr <= 0 or a.grad_clip < 0 or a.kl_coef < 0:
             raise ConfigError("algo.lr must be > 0; algo.grad_clip and algo.kl_coef must be >= 0")
         if self.correction.mode == "bypass" and a.mini_batches > 1:
-            raise ConfigError("correction.mode='bypass' takes the PPO ratio against the rollout "
-                              "policy; use algo.mini_batches=1")
+            raise ConfigError(
+                "correction.mode='bypass' takes the PPO ratio against the rollout "
+                "policy; use algo.mini_batches=1"
+            )
         r.llm_kwargs()
         keep = r.keep_last
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise ConfigError(f"run.keep_last={keep!r} must be a positive integer (or none to keep "
-                              f"every checkpoint)")
+            raise ConfigError(
+                f"run.keep_last={keep!r} must be a positive integer (or none to keep "
+                f"every checkpoint)"
+            )
         self.resume_allowed()
         if r.compare:
             compare_variants(r.compare)
@@ -205,13 +234,17 @@ class TrainConfig:
     def _check_batch(self) -> None:
         a = self.algo
         if a.batch_size % a.group_size:
-            raise ConfigError(f"algo.batch_size={a.batch_size} is not divisible by "
-                              f"algo.group_size={a.group_size}; batch_size counts sequences "
-                              f"(prompts per step x group_size)")
+            raise ConfigError(
+                f"algo.batch_size={a.batch_size} is not divisible by "
+                f"algo.group_size={a.group_size}; batch_size counts sequences "
+                f"(prompts per step x group_size)"
+            )
         mini = a.batch_size // a.mini_batches
         if mini * a.mini_batches != a.batch_size or mini % a.group_size:
-            raise ConfigError(f"algo.batch_size={a.batch_size} must split into "
-                              f"algo.mini_batches={a.mini_batches} whole groups of {a.group_size}")
+            raise ConfigError(
+                f"algo.batch_size={a.batch_size} must split into "
+                f"algo.mini_batches={a.mini_batches} whole groups of {a.group_size}"
+            )
         if a.group_size < 2 and a.advantage != "drgrpo":
             raise ConfigError(f"algo.advantage={a.advantage!r} needs algo.group_size >= 2")
 
@@ -231,9 +264,11 @@ class TrainConfig:
             if not matched:
                 unknown.append(name)
         if unknown:
-            raise ConfigError(f"run.resume_allow_changes names unknown field(s) "
-                              f"{', '.join(sorted(unknown))}; allowed: 'all' or comma-separated "
-                              f"TrainConfig fields or groups, e.g. run.seed,rollout.quant")
+            raise ConfigError(
+                f"run.resume_allow_changes names unknown field(s) "
+                f"{', '.join(sorted(unknown))}; allowed: 'all' or comma-separated "
+                f"TrainConfig fields or groups, e.g. run.seed,rollout.quant"
+            )
         return names
 
     def to_dict(self) -> dict[str, Any]:
@@ -315,15 +350,18 @@ def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
             raise ConfigError(f"run.compare={spec!r}: {err}") from None
         key = name + ("-notis" if no_tis else "")
         if key in seen:
-            raise ConfigError(f"run.compare={spec!r} lists {key!r} twice ({seen[key]!r} and "
-                              f"{item!r}); each variant is one run directory under output_dir: "
-                              f"list it once")
+            raise ConfigError(
+                f"run.compare={spec!r} lists {key!r} twice ({seen[key]!r} and "
+                f"{item!r}); each variant is one run directory under output_dir: "
+                f"list it once"
+            )
         seen[key] = item
         overrides: dict[str, Any] = {"rollout.quant": name}
         if no_tis:
             overrides["correction.weight"] = "none"
         out.append((key, overrides))
     if not out:
-        raise ConfigError(f"run.compare={spec!r} needs at least one scheme, e.g. "
-                          f"bf16,int8,int8-notis")
+        raise ConfigError(
+            f"run.compare={spec!r} needs at least one scheme, e.g. bf16,int8,int8-notis"
+        )
     return out

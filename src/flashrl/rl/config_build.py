@@ -36,13 +36,15 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     data = read_yaml(path)
     data = {} if data is None else data
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of TrainConfig fields, "
-                          f"got {type(data).__name__}")
+        raise ConfigError(
+            f"{path}: expected a mapping of TrainConfig fields, got {type(data).__name__}"
+        )
     return data
 
 
-def layer_values(layer: Mapping[Any, Any], source: str, path: str | None = None,
-                 warn: bool = True) -> dict[str, Any]:
+def layer_values(
+    layer: Mapping[Any, Any], source: str, path: str | None = None, warn: bool = True
+) -> dict[str, Any]:
     """One layer (nested, dotted or old flat names) as typed values under dotted names; unknown
     keys are a ConfigError naming `path` (or `source`) and the allowed keys."""
     items: list[tuple[Any, Any]] = []
@@ -52,16 +54,19 @@ def layer_values(layer: Mapping[Any, Any], source: str, path: str | None = None,
         elif key in GROUPS and isinstance(value, Mapping):
             items += [(f"{key}.{name}", v) for name, v in value.items()]
         elif key in GROUPS and value is not None:
-            raise ConfigError(f"{path or source}: {key} must be a mapping of "
-                              f"{GROUPS[key].__name__} fields, got {value!r}")
+            raise ConfigError(
+                f"{path or source}: {key} must be a mapping of "
+                f"{GROUPS[key].__name__} fields, got {value!r}"
+            )
         elif key not in GROUPS:
             items.append((key, value))
     types = {**field_types(), **_EXTRA_TYPES}
     unknown = sorted(str(k) for k, _ in items if k not in types)
     if unknown:
         allowed = ", ".join(k for k in types if k != TIS_CAP)
-        raise ConfigError(f"unknown config key(s) in {path or source}: {', '.join(unknown)}; "
-                          f"allowed: {allowed}")
+        raise ConfigError(
+            f"unknown config key(s) in {path or source}: {', '.join(unknown)}; allowed: {allowed}"
+        )
     return {key: _typed(key, types[key], value, path) for key, value in items}
 
 
@@ -99,15 +104,18 @@ def from_values(values: Mapping[str, Any], explicit: set[str] | None = None) -> 
     return TrainConfig(model=values.get("model"), **built)
 
 
-def build_config(preset: str | None, yaml_path: str | None,
-                 overrides: Mapping[str, Any]) -> TrainConfig:
+def build_config(
+    preset: str | None, yaml_path: str | None, overrides: Mapping[str, Any]
+) -> TrainConfig:
     """Merge preset < YAML < overrides into a validated `TrainConfig`; unknown keys are errors."""
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
     values = layer_values(PRESETS[preset], f"preset {preset}") if preset else {}
     explicit: set[str] = set()
-    layers = (("YAML", str(yaml_path), load_yaml(yaml_path) if yaml_path else {}),
-              ("overrides", None, overrides))
+    layers = (
+        ("YAML", str(yaml_path), load_yaml(yaml_path) if yaml_path else {}),
+        ("overrides", None, overrides),
+    )
     for source, path, layer in layers:
         typed = layer_values(layer, source, path)
         values.update(typed)

@@ -39,7 +39,9 @@ class ArithmeticTask:
 
     def __post_init__(self) -> None:
         if not self.ops or set(self.ops) - set("+-*"):
-            raise ConfigError(f"ops={self.ops!r} is invalid; use a non-empty combination of '+', '-', '*'")
+            raise ConfigError(
+                f"ops={self.ops!r} is invalid; use a non-empty combination of '+', '-', '*'"
+            )
         if self.max_operand < 1:
             raise ConfigError(f"max_operand={self.max_operand} must be >= 1")
 
@@ -75,8 +77,10 @@ class FileDataset:
             raise InputError(f"dataset {self.path} has no rows")
         for number, row in enumerate(rows, 1):
             if not isinstance(row, dict):
-                raise InputError(f"dataset {self.path}: row {number} is a {type(row).__name__}; expected an object "
-                                 f"with fields {self.prompt_field!r} and {self.answer_field!r}")
+                raise InputError(
+                    f"dataset {self.path}: row {number} is a {type(row).__name__}; expected an object "
+                    f"with fields {self.prompt_field!r} and {self.answer_field!r}"
+                )
             missing = [f for f in (self.prompt_field, self.answer_field) if f not in row]
             if missing:
                 raise InputError(
@@ -84,11 +88,22 @@ class FileDataset:
                     f"{', '.join(map(str, row))} (choose them with --prompt-field / --answer-field)"
                 )
         try:
-            self.examples = [Example(self.prompt_template.format(prompt=str(r[self.prompt_field])),
-                                     str(r[self.answer_field])) for r in rows]
-        except (KeyError, IndexError, ValueError) as err:  # other {fields} or stray braces in the template
-            raise ConfigError(f"prompt_template {self.prompt_template!r} is invalid ({type(err).__name__}: {err}); "
-                              f"it may use {{prompt}} only (write {{{{ and }}}} for literal braces)") from None
+            self.examples = [
+                Example(
+                    self.prompt_template.format(prompt=str(r[self.prompt_field])),
+                    str(r[self.answer_field]),
+                )
+                for r in rows
+            ]
+        except (
+            KeyError,
+            IndexError,
+            ValueError,
+        ) as err:  # other {fields} or stray braces in the template
+            raise ConfigError(
+                f"prompt_template {self.prompt_template!r} is invalid ({type(err).__name__}: {err}); "
+                f"it may use {{prompt}} only (write {{{{ and }}}} for literal braces)"
+            ) from None
 
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.examples)))
@@ -107,7 +122,9 @@ def read_rows(path: str | Path) -> list[dict]:
     """Rows of a .jsonl / .json (list of objects) / .parquet file."""
     path = Path(path)
     if path.is_dir():
-        raise InputError(f"dataset {str(path)!r} is a directory; expected a .jsonl, .json or .parquet file")
+        raise InputError(
+            f"dataset {str(path)!r} is a directory; expected a .jsonl, .json or .parquet file"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
     suffix = path.suffix.lower()
@@ -137,18 +154,26 @@ def read_rows(path: str | Path) -> list[dict]:
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise UnsupportedError(f"reading {path} needs pyarrow: pip install 'flashrl[data]'") from None
+            raise UnsupportedError(
+                f"reading {path} needs pyarrow: pip install 'flashrl[data]'"
+            ) from None
         try:
             return pq.read_table(path).to_pylist()
         except ValueError as err:  # pyarrow.ArrowInvalid: not a parquet file, damaged
             raise InputError(f"{path}: not a readable parquet file ({err})") from None
-    raise InputError(f"dataset {path}: unsupported file type {suffix!r}; allowed: .jsonl, .json, .parquet")
+    raise InputError(
+        f"dataset {path}: unsupported file type {suffix!r}; allowed: .jsonl, .json, .parquet"
+    )
 
 
-def render_prompt(tokenizer, text: str, use_chat_template: bool = True, system: str | None = None) -> str:
+def render_prompt(
+    tokenizer, text: str, use_chat_template: bool = True, system: str | None = None
+) -> str:
     """The prompt string the policy sees: the model's chat template (user turn plus generation
     prompt) when it has one and `use_chat_template` is set, else the text itself."""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": text}
+        ]
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return text

@@ -19,15 +19,59 @@ from collections.abc import Mapping
 from typing import Any
 
 _GROUP_FIELDS = {
-    "data": ("prompt_field", "answer_field", "prompt_template", "chat_template", "system_prompt",
-             "reward", "task_max_operand", "task_ops"),
-    "algo": ("batch_size", "group_size", "temperature", "top_k", "top_p", "max_prompt_tokens",
-             "max_response_tokens", "advantage", "norm_adv_by_std", "loss_aggregation", "clip_low",
-             "clip_high", "dual_clip", "mini_batches", "lr", "weight_decay", "warmup_steps",
-             "grad_clip", "kl_coef", "overlong_buffer", "overlong_penalty", "dynamic_sampling"),
-    "run": ("steps", "seed", "device", "trainer_dtype", "backend", "rollout_dtype", "max_batch",
-            "micro_batch_size", "vllm_kwargs", "output_dir", "save_every", "keep_last", "resume",
-            "resume_allow_changes", "overwrite", "plot", "compare"),
+    "data": (
+        "prompt_field",
+        "answer_field",
+        "prompt_template",
+        "chat_template",
+        "system_prompt",
+        "reward",
+        "task_max_operand",
+        "task_ops",
+    ),
+    "algo": (
+        "batch_size",
+        "group_size",
+        "temperature",
+        "top_k",
+        "top_p",
+        "max_prompt_tokens",
+        "max_response_tokens",
+        "advantage",
+        "norm_adv_by_std",
+        "loss_aggregation",
+        "clip_low",
+        "clip_high",
+        "dual_clip",
+        "mini_batches",
+        "lr",
+        "weight_decay",
+        "warmup_steps",
+        "grad_clip",
+        "kl_coef",
+        "overlong_buffer",
+        "overlong_penalty",
+        "dynamic_sampling",
+    ),
+    "run": (
+        "steps",
+        "seed",
+        "device",
+        "trainer_dtype",
+        "backend",
+        "rollout_dtype",
+        "max_batch",
+        "micro_batch_size",
+        "vllm_kwargs",
+        "output_dir",
+        "save_every",
+        "keep_last",
+        "resume",
+        "resume_allow_changes",
+        "overwrite",
+        "plot",
+        "compare",
+    ),
     "rejection": ("rejection", "rejection_thresholds"),
 }
 LEGACY_NAMES: dict[str, str] = {
@@ -41,8 +85,11 @@ LEGACY_NAMES: dict[str, str] = {
     "tis_cap": "correction.cap",
     "correction_band": "correction.band",
     **{name: f"correction.{name}" for name in _GROUP_FIELDS["rejection"]},
-    **{name: f"{group}.{name}" for group in ("data", "algo", "run")
-       for name in _GROUP_FIELDS[group]},
+    **{
+        name: f"{group}.{name}"
+        for group in ("data", "algo", "run")
+        for name in _GROUP_FIELDS[group]
+    },
 }
 """Old flat name -> new dotted name (``model`` kept its name)."""
 TIS_CAP = "correction.tis_cap"
@@ -60,9 +107,12 @@ def rename(key: str, source: str, warn: bool = True) -> str:
     """The new name of the old flat `key`; a DeprecationWarning naming both unless `warn` is off."""
     new = LEGACY_NAMES[key]
     if warn:
-        warnings.warn(f"{source}: {key} (--{key.replace('_', '-')}) is deprecated and will be "
-                      f"removed in the next release; use {new} (--{new.replace('_', '-')})",
-                      DeprecationWarning, stacklevel=4)
+        warnings.warn(
+            f"{source}: {key} (--{key.replace('_', '-')}) is deprecated and will be "
+            f"removed in the next release; use {new} (--{new.replace('_', '-')})",
+            DeprecationWarning,
+            stacklevel=4,
+        )
     return TIS_CAP if key == "tis_cap" else new
 
 

@@ -30,29 +30,59 @@ TINY_TASK = dict(task_max_operand=9, task_ops="+")
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-cpu": {
-        "data.task_max_operand": TINY_TASK["task_max_operand"], "data.task_ops": TINY_TASK["task_ops"],
-        "data.reward": "exact_match", "rollout.quant": "int8", "correction.cap": 2.0,
-        "algo.max_prompt_tokens": 16, "algo.max_response_tokens": 6, "algo.batch_size": 128,
-        "algo.group_size": 8, "algo.lr": 3e-4, "algo.temperature": 1.0, "run.steps": 200,
-        "run.micro_batch_size": 128, "run.rollout_dtype": "bf16", "run.device": "cpu",
-        "run.trainer_dtype": "fp32", "run.output_dir": "runs/tiny-cpu",
+        "data.task_max_operand": TINY_TASK["task_max_operand"],
+        "data.task_ops": TINY_TASK["task_ops"],
+        "data.reward": "exact_match",
+        "rollout.quant": "int8",
+        "correction.cap": 2.0,
+        "algo.max_prompt_tokens": 16,
+        "algo.max_response_tokens": 6,
+        "algo.batch_size": 128,
+        "algo.group_size": 8,
+        "algo.lr": 3e-4,
+        "algo.temperature": 1.0,
+        "run.steps": 200,
+        "run.micro_batch_size": 128,
+        "run.rollout_dtype": "bf16",
+        "run.device": "cpu",
+        "run.trainer_dtype": "fp32",
+        "run.output_dir": "runs/tiny-cpu",
     },
     "gsm8k-qwen2.5-0.5b": {
-        "data.reward": "math_verify", "data.prompt_field": "question", "data.answer_field": "answer",
+        "data.reward": "math_verify",
+        "data.prompt_field": "question",
+        "data.answer_field": "answer",
         "data.prompt_template": "{prompt} Let's think step by step and output the final answer "
-                                "after \"####\".",
-        "rollout.quant": "int8", "correction.cap": 2.0, "algo.max_prompt_tokens": 512,
-        "algo.max_response_tokens": 1024, "algo.batch_size": 256, "algo.group_size": 8,
-        "algo.lr": 1e-6, "algo.temperature": 1.0, "algo.loss_aggregation": "token_mean",
-        "algo.clip_low": 0.2, "algo.clip_high": 0.28, "run.steps": 200, "run.micro_batch_size": 16,
-        "run.rollout_dtype": "bf16", "run.trainer_dtype": "bf16",
+        'after "####".',
+        "rollout.quant": "int8",
+        "correction.cap": 2.0,
+        "algo.max_prompt_tokens": 512,
+        "algo.max_response_tokens": 1024,
+        "algo.batch_size": 256,
+        "algo.group_size": 8,
+        "algo.lr": 1e-6,
+        "algo.temperature": 1.0,
+        "algo.loss_aggregation": "token_mean",
+        "algo.clip_low": 0.2,
+        "algo.clip_high": 0.28,
+        "run.steps": 200,
+        "run.micro_batch_size": 16,
+        "run.rollout_dtype": "bf16",
+        "run.trainer_dtype": "bf16",
         "run.output_dir": "runs/gsm8k-qwen2.5-0.5b",
     },
 }
 """Named presets: dotted `TrainConfig` fields (see `flashrl.rl.config`)."""
 
-TINY_MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+TINY_MODEL = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+)
 TINY_WARMUP = dict(steps=200, batch=64, lr=2e-3, seed=0)
 
 
@@ -62,7 +92,9 @@ def cache_dir() -> Path:
 
 def tiny_model_dir() -> Path:
     """The built-in tiny model's directory, built on first use (about 10 s on 2 CPU cores)."""
-    spec = json.dumps(dict(model=TINY_MODEL, warmup=TINY_WARMUP, task=TINY_TASK, version=2), sort_keys=True)
+    spec = json.dumps(
+        dict(model=TINY_MODEL, warmup=TINY_WARMUP, task=TINY_TASK, version=2), sort_keys=True
+    )
     path = cache_dir() / f"tiny-cpu-{hashlib.sha1(spec.encode()).hexdigest()[:10]}"
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
         return path
@@ -80,14 +112,26 @@ def build_tiny_model(path: str | Path) -> Path:
     path = Path(path)
     vocab_size = (len(char_tokenizer()) + 7) // 8 * 8
     tokenizer = char_tokenizer(vocab_size)
-    config = transformers.Qwen2Config(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2,
-                                      pad_token_id=0, rms_norm_eps=1e-6, **TINY_MODEL)
+    config = transformers.Qwen2Config(
+        vocab_size=vocab_size,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        rms_norm_eps=1e-6,
+        **TINY_MODEL,
+    )
     torch.manual_seed(TINY_WARMUP["seed"])
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=TINY_WARMUP["lr"], weight_decay=0.0)
-    task = ArithmeticTask(seed=10_000 + TINY_WARMUP["seed"], max_operand=TINY_TASK["task_max_operand"], ops=TINY_TASK["task_ops"])
+    task = ArithmeticTask(
+        seed=10_000 + TINY_WARMUP["seed"],
+        max_operand=TINY_TASK["task_max_operand"],
+        ops=TINY_TASK["task_ops"],
+    )
     start = time.perf_counter()
-    logger.warning("building the built-in tiny model (supervised warm-start, about 10 s) in %s", path)
+    logger.warning(
+        "building the built-in tiny model (supervised warm-start, about 10 s) in %s", path
+    )
     for step in range(TINY_WARMUP["steps"]):
         rows, labels = [], []
         for ex in task.batch(step, TINY_WARMUP["batch"]):
@@ -109,5 +153,9 @@ def build_tiny_model(path: str | Path) -> Path:
         tmp.rename(path)  # atomic: a concurrent build of the same spec leaves one complete copy
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.warning("built the tiny model in %.0f s (final warm-start loss %.3f)", time.perf_counter() - start, loss.item())
+    logger.warning(
+        "built the tiny model in %.0f s (final warm-start loss %.3f)",
+        time.perf_counter() - start,
+        loss.item(),
+    )
     return path

@@ -73,7 +73,11 @@ def math_verify(response: str, answer: str) -> float:
     return float(verify(gold, pred))
 
 
-REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "numeric": numeric, "math_verify": math_verify}
+REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "numeric": numeric,
+    "math_verify": math_verify,
+}
 
 
 def register_reward(name: str, fn: RewardFn) -> None:

@@ -23,18 +23,32 @@ def summarize(name: str, metrics: list[dict], window: int = 5) -> dict:
         vals = [r[key] for r in rows if key in r]
         return sum(vals) / len(vals) if vals else float("nan")
 
-    row = dict(run=name, steps=len(metrics), reward_first=mean(first, "reward/mean"),
-               reward_last=mean(last, "reward/mean"), mismatch_kl=mean(metrics, "rollout_corr/kl"),
-               k3_kl=mean(metrics, "rollout_corr/k3_kl"),
-               tok_per_s=mean(metrics, "throughput/rollout_tokens_per_s"),
-               step_s=mean(metrics, "time/step"))
+    row = dict(
+        run=name,
+        steps=len(metrics),
+        reward_first=mean(first, "reward/mean"),
+        reward_last=mean(last, "reward/mean"),
+        mismatch_kl=mean(metrics, "rollout_corr/kl"),
+        k3_kl=mean(metrics, "rollout_corr/k3_kl"),
+        tok_per_s=mean(metrics, "throughput/rollout_tokens_per_s"),
+        step_s=mean(metrics, "time/step"),
+    )
     for part in TIME_PARTS:
         row[f"{part}_s"] = mean(metrics, f"time/{part}")
     return row
 
 
-SUMMARY_COLUMNS = ["run", "steps", "reward_first", "reward_last", "mismatch_kl", "k3_kl",
-                   "tok_per_s", "step_s", *(f"{p}_s" for p in TIME_PARTS)]
+SUMMARY_COLUMNS = [
+    "run",
+    "steps",
+    "reward_first",
+    "reward_last",
+    "mismatch_kl",
+    "k3_kl",
+    "tok_per_s",
+    "step_s",
+    *(f"{p}_s" for p in TIME_PARTS),
+]
 
 
 def train_once(config: TrainConfig, name: str | None = None) -> tuple[list[dict], dict]:

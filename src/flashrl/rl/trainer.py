@@ -71,29 +71,45 @@ class Trainer:
         self.model_dir = self._model_dir()
         tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
         if not any((self.model_dir / f).is_file() for f in tokenizer_files):
-            raise FileNotFoundError(f"model directory {self.model_dir} has no tokenizer (expected "
-                                    f"tokenizer.json or tokenizer_config.json); save one with "
-                                    f"tokenizer.save_pretrained(DIR)")
+            raise FileNotFoundError(
+                f"model directory {self.model_dir} has no tokenizer (expected "
+                f"tokenizer.json or tokenizer_config.json); save one with "
+                f"tokenizer.save_pretrained(DIR)"
+            )
         resume_dir, state, damaged, discard = self._plan_run()
         source_dir = resume_dir or self.model_dir
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
         dtype = resolve_dtype(config.run.trainer_dtype)
         # a checkpoint's weights load from safetensors only (never a pickled pytorch_model.bin)
         self.policy = transformers.AutoModelForCausalLM.from_pretrained(
-            source_dir, dtype=dtype, use_safetensors=True if resume_dir else None).to(self.device)
+            source_dir, dtype=dtype, use_safetensors=True if resume_dir else None
+        ).to(self.device)
         self.policy.config.use_cache = False
         self.reference = None
         if config.algo.kl_coef > 0:
-            self.reference = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
+            self.reference = (
+                transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+                .to(self.device)
+                .eval()
+            )
             self.reference.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=config.algo.lr,
-                                           weight_decay=config.algo.weight_decay, betas=(0.9, 0.999))
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(),
+            lr=config.algo.lr,
+            weight_decay=config.algo.weight_decay,
+            betas=(0.9, 0.999),
+        )
         self.source = self._prompt_source()
         self.reward_fn = get_reward(config.data.reward)
         self.correction = config.correction
         a = config.algo
-        self.sampling = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                                       max_tokens=a.max_response_tokens, n=a.group_size)
+        self.sampling = SamplingParams(
+            temperature=a.temperature,
+            top_k=a.top_k,
+            top_p=a.top_p,
+            max_tokens=a.max_response_tokens,
+            n=a.group_size,
+        )
         self.step = 0
         if resume_dir is not None:
             self._load_state(resume_dir, state)
@@ -144,12 +160,16 @@ class Trainer:
                 ckpt.refuse_existing_run(out, overwrite=False)
             return path, state, [], ckpt.run_files(out) if c.overwrite else []
         skipped = {p for p, _ in damaged}
-        newer = [p for step, p in ckpt.list_checkpoints(out) if step > state["step"] and p not in skipped]
+        newer = [
+            p for step, p in ckpt.list_checkpoints(out) if step > state["step"] and p not in skipped
+        ]
         if newer and not c.overwrite:
-            raise CheckpointError(f"--run.resume {c.resume}: {', '.join(p.name for p in newer)} of this "
-                                  f"run is newer than {path.name}; resuming from {path.name} would "
-                                  f"discard it: pass --run.overwrite true to delete the newer "
-                                  f"checkpoints, or --run.resume latest")
+            raise CheckpointError(
+                f"--run.resume {c.resume}: {', '.join(p.name for p in newer)} of this "
+                f"run is newer than {path.name}; resuming from {path.name} would "
+                f"discard it: pass --run.overwrite true to delete the newer "
+                f"checkpoints, or --run.resume latest"
+            )
         return path, state, damaged, newer
 
     def _check_resume_config(self, path: Path, stored: dict) -> None:
@@ -158,22 +178,26 @@ class Trainer:
         allowed = self.config.resume_allowed()
         if allowed is None:
             return
-        diffs = ckpt.config_differences(stored_values(stored), self.config.flat_dict(),
-                                        set(RESUME_FREE_FIELDS) | allowed)
+        diffs = ckpt.config_differences(
+            stored_values(stored), self.config.flat_dict(), set(RESUME_FREE_FIELDS) | allowed
+        )
         if diffs:
             names = ",".join(d.split(":")[0] for d in diffs)
-            raise CheckpointError(f"--run.resume {self.config.run.resume}: this config differs from the "
-                                  f"one {path} was trained with: {'; '.join(diffs)}. These change "
-                                  f"what the run computes; to continue anyway pass "
-                                  f"--run.resume-allow-changes {names} (free to change: "
-                                  f"{', '.join(RESUME_FREE_FIELDS)})")
+            raise CheckpointError(
+                f"--run.resume {self.config.run.resume}: this config differs from the "
+                f"one {path} was trained with: {'; '.join(diffs)}. These change "
+                f"what the run computes; to continue anyway pass "
+                f"--run.resume-allow-changes {names} (free to change: "
+                f"{', '.join(RESUME_FREE_FIELDS)})"
+            )
 
     def _prompt_source(self) -> PromptSource:
         d, seed = self.config.data, self.config.run.seed
         if d.path is None:
             return ArithmeticTask(seed=seed, max_operand=d.task_max_operand, ops=d.task_ops)
-        return FileDataset(d.path, d.prompt_field, d.answer_field, seed=seed,
-                           prompt_template=d.prompt_template)
+        return FileDataset(
+            d.path, d.prompt_field, d.answer_field, seed=seed, prompt_template=d.prompt_template
+        )
 
     def _make_backend(self, model_dir: Path) -> RolloutBackend:
         a, r = self.config.algo, self.config.run
@@ -183,12 +207,24 @@ class Trainer:
             from flashrl.vllm_backend import VLLMBackend
 
             kwargs = {"max_model_len": max_len, "max_num_seqs": max_batch, **r.llm_kwargs()}
-            return VLLMBackend(model_dir, self.config.rollout, dtype=resolve_dtype(r.rollout_dtype),
-                               seed=r.seed, **kwargs)
+            return VLLMBackend(
+                model_dir,
+                self.config.rollout,
+                dtype=resolve_dtype(r.rollout_dtype),
+                seed=r.seed,
+                **kwargs,
+            )
         from flashrl.engine.engine import Engine
 
-        return Engine(model_dir, quant=self.config.rollout, dtype=r.rollout_dtype, device=self.device,
-                      max_batch=max_batch, max_len=max_len, progress=False)
+        return Engine(
+            model_dir,
+            quant=self.config.rollout,
+            dtype=r.rollout_dtype,
+            device=self.device,
+            max_batch=max_batch,
+            max_len=max_len,
+            progress=False,
+        )
 
     # ------------------------------------------------------------------ one step
 
@@ -208,14 +244,18 @@ class Trainer:
         params = dataclasses.replace(self.sampling, seed=self.config.run.seed * 1_000_003 + step)
         return examples, self.backend.generate(self._encode(examples), params)
 
-    def rewards(self, examples: list[Example], rollouts: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
+    def rewards(
+        self, examples: list[Example], rollouts: list[Rollout]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Task scores [N] and the overlong penalty [N] (added to the scores to form rewards)."""
         a = self.config.algo
-        scores = torch.tensor([self.reward_fn(r.text, examples[r.prompt_index].answer)
-                               for r in rollouts])
+        scores = torch.tensor(
+            [self.reward_fn(r.text, examples[r.prompt_index].answer) for r in rollouts]
+        )
         lengths = torch.tensor([len(r.response_ids) for r in rollouts])
-        return scores, algo.overlong_penalty(lengths, a.max_response_tokens, a.overlong_buffer,
-                                             a.overlong_penalty)
+        return scores, algo.overlong_penalty(
+            lengths, a.max_response_tokens, a.overlong_buffer, a.overlong_penalty
+        )
 
     def train_step(self) -> dict[str, float]:
         """Run one RL step (rollout, reward, correction, update, weight sync); returns its
@@ -229,14 +269,19 @@ class Trainer:
         scores, penalty = self.rewards(examples, rollouts)
         rewards = scores + penalty
         advantages = algo.group_advantages(rewards, c.group_size, c.advantage, c.norm_adv_by_std)
-        keep = (algo.informative_groups(rewards, c.group_size) if c.dynamic_sampling
-                else torch.ones(len(rollouts), dtype=torch.bool))
+        keep = (
+            algo.informative_groups(rewards, c.group_size)
+            if c.dynamic_sampling
+            else torch.ones(len(rollouts), dtype=torch.bool)
+        )
         t["reward"] = time.perf_counter() - mark
 
         metrics: dict[str, float] = {"step": step}
         metrics.update(self._rollout_metrics(rollouts, scores, rewards, penalty, keep))
         if keep.any():
-            batch = Batch.build([r for r, k in zip(rollouts, keep.tolist()) if k], advantages[keep], self.device)
+            batch = Batch.build(
+                [r for r, k in zip(rollouts, keep.tolist()) if k], advantages[keep], self.device
+            )
             metrics.update(self._update(batch, t))
             mark = time.perf_counter()
             sync = self.backend.update_weights(self.policy.named_parameters())
@@ -256,10 +301,14 @@ class Trainer:
     def _rollout_metrics(self, rollouts, scores, rewards, penalty, keep) -> dict[str, float]:
         lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
         return {
-            "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
-            "reward/score_mean": scores.float().mean().item(), "reward/overlong_penalty_mean": penalty.mean().item(),
-            "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
-            "response/truncated_frac": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "reward/score_mean": scores.float().mean().item(),
+            "reward/overlong_penalty_mean": penalty.mean().item(),
+            "response/length_mean": lengths.mean().item(),
+            "response/length_max": lengths.max().item(),
+            "response/truncated_frac": sum(r.finish_reason == "length" for r in rollouts)
+            / len(rollouts),
             "batch/kept_frac": keep.float().mean().item(),
         }
 
@@ -277,7 +326,9 @@ class Trainer:
         corr = compute_correction(old, batch.rollout_logprobs, batch.response_mask, self.correction)
         ratio_base = old if self.correction.mode == "decoupled" else batch.rollout_logprobs
         metrics = {f"rollout_corr/{k}": v for k, v in corr.metrics.items()}
-        metrics["actor/entropy"] = (entropy * batch.response_mask).sum().item() / max(batch.response_mask.sum().item(), 1)
+        metrics["actor/entropy"] = (entropy * batch.response_mask).sum().item() / max(
+            batch.response_mask.sum().item(), 1
+        )
 
         mark = time.perf_counter()
         self.policy.train()
@@ -288,7 +339,9 @@ class Trainer:
         for m in range(c.mini_batches):
             rows = slice(m * mini, (m + 1) * mini)
             mb_mask = corr.mask[rows]
-            denominator = float(mb_mask.sum()) if c.loss_aggregation == "token_mean" else float(mini)
+            denominator = (
+                float(mb_mask.sum()) if c.loss_aggregation == "token_mean" else float(mini)
+            )
             for lr_group in self.optimizer.param_groups:
                 lr_group["lr"] = self._lr()
             for start in range(rows.start, rows.stop, micro):
@@ -296,9 +349,16 @@ class Trainer:
                 part = batch.select(sub)
                 lp, _ = self._logprobs(self.policy, part)
                 loss, stats = ppo_clip_loss(
-                    lp, ratio_base[sub], part.advantages, corr.mask[sub], corr.weights[sub],
-                    clip_low=c.clip_low, clip_high=c.clip_high, dual_clip=c.dual_clip,
-                    aggregation=c.loss_aggregation, loss_scale_denominator=max(denominator, 1.0),
+                    lp,
+                    ratio_base[sub],
+                    part.advantages,
+                    corr.mask[sub],
+                    corr.weights[sub],
+                    clip_low=c.clip_low,
+                    clip_high=c.clip_high,
+                    dual_clip=c.dual_clip,
+                    aggregation=c.loss_aggregation,
+                    loss_scale_denominator=max(denominator, 1.0),
                     max_length=c.max_response_tokens,
                 )
                 if ref is not None:
@@ -311,7 +371,9 @@ class Trainer:
                     stats_sum[k] = stats_sum.get(k, 0.0) + v
                 count += 1
             max_norm = c.grad_clip if c.grad_clip > 0 else math.inf
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm)))
+            grad_norms.append(
+                float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
+            )
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         synchronize(self.device)
@@ -325,8 +387,9 @@ class Trainer:
         outs, ents = [], []
         micro = self.config.run.micro_batch_size
         for start in range(0, len(batch), micro):
-            lp, ent = response_logprobs(model, batch.select(slice(start, start + micro)),
-                                        self.sampling, with_entropy)
+            lp, ent = response_logprobs(
+                model, batch.select(slice(start, start + micro)), self.sampling, with_entropy
+            )
             outs.append(lp)
             ents.append(ent)
         return torch.cat(outs), (torch.cat(ents) if with_entropy else None)
@@ -344,16 +407,23 @@ class Trainer:
         history = []
         # in a log file (not a terminal) refresh every 10 s instead of filling it with carriage
         # returns
-        bar = tqdm(total=c.steps, initial=self.step, desc=f"train ({self.config.rollout.quant})",
-                   unit="step",
-                   mininterval=0.1 if sys.stderr.isatty() else 10.0)
+        bar = tqdm(
+            total=c.steps,
+            initial=self.step,
+            desc=f"train ({self.config.rollout.quant})",
+            unit="step",
+            mininterval=0.1 if sys.stderr.isatty() else 10.0,
+        )
         while self.step < c.steps:
             metrics = self.train_step()
             history.append(metrics)
             ckpt.append_line(self.metrics_path, json.dumps(metrics))
             bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('rollout_corr/kl', 0.0):.2e}",
-                            tok_s=f"{metrics['throughput/rollout_tokens_per_s']:.0f}")
+            bar.set_postfix(
+                reward=f"{metrics['reward/mean']:.3f}",
+                kl=f"{metrics.get('rollout_corr/kl', 0.0):.2e}",
+                tok_s=f"{metrics['throughput/rollout_tokens_per_s']:.0f}",
+            )
             if c.save_every and self.step % c.save_every == 0 and self.step < c.steps:
                 self.save_checkpoint()
         bar.close()
@@ -381,9 +451,9 @@ class Trainer:
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as err:
-            raise CheckpointError(f"{path / ckpt.STATE_FILE}: optimizer state does not fit this "
-                                  f"model ({err})") from None
+            raise CheckpointError(
+                f"{path / ckpt.STATE_FILE}: optimizer state does not fit this model ({err})"
+            ) from None
         self.step = int(state["step"])
         ckpt.restore_rng(state)
         logger.info("resumed from %s at step %d", path, self.step)
-

@@ -20,8 +20,13 @@ from flashrl.errors import ConfigError
 
 NONE_WORDS = ("none", "null", "")
 """Strings that mean None for an optional field (any case)."""
-_KINDS = {bool: ("a boolean", "true or false"), int: ("an integer",) * 2,
-          float: ("a number",) * 2, str: ("a string",) * 2, tuple: ("a list",) * 2}
+_KINDS = {
+    bool: ("a boolean", "true or false"),
+    int: ("an integer",) * 2,
+    float: ("a number",) * 2,
+    str: ("a string",) * 2,
+    tuple: ("a list",) * 2,
+}
 
 
 def is_optional(hint: Any) -> bool:

@@ -16,6 +16,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import itertools
 import textwrap
 from collections.abc import Iterable
 from typing import Any, get_type_hints
@@ -36,10 +37,14 @@ def field_docs(cls: type) -> dict[str, str]:
         except (OSError, TypeError, SyntaxError):
             continue
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for node, after in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                    and isinstance(after.value.value, str)):
+        for node, after in itertools.pairwise(body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(after.value.value.split())
     return docs
 
@@ -51,7 +56,7 @@ def _attribute_section(doc: str) -> dict[str, str]:
     if "Attributes:" not in lines:
         return out
     name = None
-    for line in lines[lines.index("Attributes:") + 1:]:
+    for line in lines[lines.index("Attributes:") + 1 :]:
         if line and not line.startswith(" "):
             break
         text = line.strip()
@@ -69,9 +74,15 @@ def flag(name: str, prefix: str = "") -> str:
     return f"--{prefix}{name.replace('_', '-')}"
 
 
-def add_fields(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
-               prefix: str = "", only: Iterable[str] | None = None, skip: Iterable[str] = (),
-               help: dict[str, str] | None = None, defaults: dict[str, Any] | None = None) -> None:
+def add_fields(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    prefix: str = "",
+    only: Iterable[str] | None = None,
+    skip: Iterable[str] = (),
+    help: dict[str, str] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> None:
     """Add a flag for every field of dataclass `cls` (or those named in `only`, minus `skip`);
     `help` overrides a field's documentation, `defaults` the default it shows (for a command
     that fills in its own)."""
@@ -87,10 +98,16 @@ def add_fields(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: t
             text += f" (default: {_show(default)})"
         is_bool = kinds(hints[f.name])[0] is bool
         required = default is dataclasses.MISSING
-        parser.add_argument(flag(f.name, prefix), dest=prefix + f.name, required=required,
-                            default=argparse.SUPPRESS, help=text.strip().replace("%", "%%") or None,
-                            metavar=_metavar(hints[f.name]), nargs="?" if is_bool else None,
-                            const="true" if is_bool else None)
+        parser.add_argument(
+            flag(f.name, prefix),
+            dest=prefix + f.name,
+            required=required,
+            default=argparse.SUPPRESS,
+            help=text.strip().replace("%", "%%") or None,
+            metavar=_metavar(hints[f.name]),
+            nargs="?" if is_bool else None,
+            const="true" if is_bool else None,
+        )
 
 
 def _default(f: dataclasses.Field) -> Any:

@@ -51,29 +51,82 @@ from flashrl.utils import device_name, format_table, synchronize
 # Real model dimensions (from the public config.json files) for `--random-weights NAME`.
 _QWEN2 = dict(architectures=["Qwen2ForCausalLM"], rope_theta=1000000.0)
 RANDOM_CONFIGS: dict[str, dict] = {
-    "tiny-bench": dict(**_QWEN2, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                       num_attention_heads=8, num_key_value_heads=4, vocab_size=8192,
-                       tie_word_embeddings=False, max_position_embeddings=4096),
-    "qwen2.5-0.5b": dict(**_QWEN2, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                         tie_word_embeddings=True, max_position_embeddings=32768),
-    "qwen2.5-1.5b": dict(**_QWEN2, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                         tie_word_embeddings=True, max_position_embeddings=32768),
-    "qwen2.5-7b": dict(**_QWEN2, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                       tie_word_embeddings=False, max_position_embeddings=32768),
-    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                     head_dim=128, vocab_size=151936, tie_word_embeddings=False,
-                     rope_theta=1000000.0, max_position_embeddings=40960),
-    "llama3.1-8b": dict(architectures=["LlamaForCausalLM"], hidden_size=4096,
-                        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
-                        rope_theta=500000.0, max_position_embeddings=131072,
-                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0,
-                                      "original_max_position_embeddings": 8192}),
+    "tiny-bench": dict(
+        **_QWEN2,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8192,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    ),
+    "qwen2.5-0.5b": dict(
+        **_QWEN2,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    ),
+    "qwen2.5-1.5b": dict(
+        **_QWEN2,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    ),
+    "qwen2.5-7b": dict(
+        **_QWEN2,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+    ),
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+    ),
+    "llama3.1-8b": dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
 }
 _COMMON = dict(rms_norm_eps=1e-6, hidden_act="silu", bos_token_id=1, eos_token_id=2)
 
@@ -131,10 +184,12 @@ class BenchConfig:
             raise ConfigError(f"--kv-budget-gib {self.kv_budget_gib} must be > 0")
         for name in ("batch", "prompt_len", "output_len", "max_prefill_tokens", "threads"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ConfigError(f"--{name.replace('_', '-')} {value!r} is invalid; allowed: an "
-                                  f"integer >= 1")
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {value!r} is invalid; allowed: an integer >= 1"
+                )
 
 
 @dataclass(kw_only=True)
@@ -173,8 +228,11 @@ class BenchRow:
     """Weight memory in bytes (for the bandwidth floor; not a column)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "weight_bytes" and getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "weight_bytes" and getattr(self, f.name) is not None
+        }
 
 
 @dataclass
@@ -190,29 +248,40 @@ class BenchResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document `flashrl bench --out` writes."""
-        return dict(config=dataclasses.asdict(self.config), device=self.device,
-                    copy_bandwidth_gbs=self.copy_bandwidth_gbs, torch=self.torch,
-                    rows=[row.to_dict() for row in self.rows])
+        return dict(
+            config=dataclasses.asdict(self.config),
+            device=self.device,
+            copy_bandwidth_gbs=self.copy_bandwidth_gbs,
+            torch=self.torch,
+            rows=[row.to_dict() for row in self.rows],
+        )
 
 
 def random_model_dir(name_or_path: str, root: Path) -> Path:
     """A model directory holding only a config.json of the named dimensions (or the given file)."""
     if name_or_path in RANDOM_CONFIGS:
         raw = {**_COMMON, **RANDOM_CONFIGS[name_or_path]}
-        raw["model_type"] = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                             "LlamaForCausalLM": "llama"}[raw["architectures"][0]]
+        raw["model_type"] = {
+            "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3",
+            "LlamaForCausalLM": "llama",
+        }[raw["architectures"][0]]
     else:
         path = Path(name_or_path)
         if not path.is_file():
-            raise ConfigError(f"--random-weights {name_or_path!r}: not a config.json file nor one "
-                              f"of {', '.join(RANDOM_CONFIGS)}")
+            raise ConfigError(
+                f"--random-weights {name_or_path!r}: not a config.json file nor one "
+                f"of {', '.join(RANDOM_CONFIGS)}"
+            )
         try:
             raw = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise InputError(f"--random-weights {name_or_path}: not a JSON file ({err})") from None
         if not isinstance(raw, dict) or not isinstance(raw.get("vocab_size"), int):
-            raise InputError(f"--random-weights {name_or_path}: expected a Hugging Face "
-                             f"config.json (an object with an integer vocab_size)")
+            raise InputError(
+                f"--random-weights {name_or_path}: expected a Hugging Face "
+                f"config.json (an object with an integer vocab_size)"
+            )
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(raw))
     return root
@@ -237,8 +306,10 @@ def parse_kv_dtypes(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in KV_CACHE_DTYPES]
     if bad or not names:
-        raise ConfigError(f"--kv-cache-dtype {text!r} is invalid; allowed: a comma-separated list "
-                          f"of {', '.join(KV_CACHE_DTYPES)}")
+        raise ConfigError(
+            f"--kv-cache-dtype {text!r} is invalid; allowed: a comma-separated list "
+            f"of {', '.join(KV_CACHE_DTYPES)}"
+        )
     return list(dict.fromkeys(names))
 
 
@@ -247,16 +318,20 @@ def parse_compile_modes(text: str) -> list[str | None]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n != "none" and n not in COMPILE_MODES]
     if bad or not names:
-        raise ConfigError(f"--compile {text!r} is invalid; allowed: a comma-separated list of "
-                          f"none, {', '.join(COMPILE_MODES)}")
+        raise ConfigError(
+            f"--compile {text!r} is invalid; allowed: a comma-separated list of "
+            f"none, {', '.join(COMPILE_MODES)}"
+        )
     return [None if n == "none" else n for n in dict.fromkeys(names)]
 
 
-def _timed_generate(engine: Engine, prompts: list[list[int]], cfg: BenchConfig,
-                    compile: str | None) -> tuple[list[Any], float, float, dict, dict]:
+def _timed_generate(
+    engine: Engine, prompts: list[list[int]], cfg: BenchConfig, compile: str | None
+) -> tuple[list[Any], float, float, dict, dict]:
     """Warm up, then time one generate: (rollouts, warmup s, elapsed s, stats before, after)."""
-    params = SamplingParams(temperature=1.0, max_tokens=cfg.output_len, ignore_eos=True,
-                            seed=cfg.seed)
+    params = SamplingParams(
+        temperature=1.0, max_tokens=cfg.output_len, ignore_eos=True, seed=cfg.seed
+    )
     synchronize(engine.device)
     start = time.perf_counter()
     if compile is None:
@@ -275,14 +350,30 @@ def _timed_generate(engine: Engine, prompts: list[list[int]], cfg: BenchConfig,
     return outs, warmup, time.perf_counter() - start, before, engine.stats()
 
 
-def _bench_engine(model_dir: Path, scheme: str, cfg: BenchConfig, random: bool,
-                  prompts: list[list[int]], kv_cache_dtype: str = "bf16",
-                  compile: str | None = None) -> BenchRow:
+def _bench_engine(
+    model_dir: Path,
+    scheme: str,
+    cfg: BenchConfig,
+    random: bool,
+    prompts: list[list[int]],
+    kv_cache_dtype: str = "bf16",
+    compile: str | None = None,
+) -> BenchRow:
     max_len = cfg.prompt_len + cfg.output_len
-    engine = Engine(model_dir, quant=scheme, dtype=cfg.dtype, device=cfg.device,
-                    max_batch=cfg.batch, max_len=max_len, progress=False, load_weights=not random,
-                    kv_cache_dtype=kv_cache_dtype, decode_compile=compile,
-                    decode_buckets=cfg.decode_buckets, max_prefill_tokens=cfg.max_prefill_tokens)
+    engine = Engine(
+        model_dir,
+        quant=scheme,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        max_batch=cfg.batch,
+        max_len=max_len,
+        progress=False,
+        load_weights=not random,
+        kv_cache_dtype=kv_cache_dtype,
+        decode_compile=compile,
+        decode_buckets=cfg.decode_buckets,
+        max_prefill_tokens=cfg.max_prefill_tokens,
+    )
     if random:
         engine.init_random_weights_(seed=cfg.seed)
     if engine.device.type == "cuda":
@@ -291,35 +382,56 @@ def _bench_engine(model_dir: Path, scheme: str, cfg: BenchConfig, random: bool,
     tokens = sum(len(o.response_ids) for o in outs)
     kv_kl = 0.0
     if kv_cache_dtype != "bf16":
-        kv_kl = engine.kv_cache_mismatch([o.prompt_ids for o in outs],
-                                         [o.response_ids for o in outs])["kl"]
+        kv_kl = engine.kv_cache_mismatch(
+            [o.prompt_ids for o in outs], [o.response_ids for o in outs]
+        )["kl"]
     new_weights = list(engine.random_weights(cfg.seed + 1))  # drawn first: only the push is timed
     sync = engine.update_weights(new_weights)
     del new_weights
     capacity = {}
     if cfg.kv_budget_gib is not None:
         c = engine.model_config
-        kv_tokens = KVCache.capacity_tokens(int(cfg.kv_budget_gib * 2**30), c.num_layers,
-                                            c.num_kv_heads, c.head_dim, engine.dtype,
-                                            kv_cache_dtype, engine.kv_scale_granularity or "layer")
+        kv_tokens = KVCache.capacity_tokens(
+            int(cfg.kv_budget_gib * 2**30),
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            engine.dtype,
+            kv_cache_dtype,
+            engine.kv_scale_granularity or "layer",
+        )
         capacity = dict(kv_capacity_tokens=kv_tokens, max_sequences=kv_tokens // max_len)
     steps = after["decode_steps"] - before["decode_steps"]
     return BenchRow(
-        scheme=scheme, kv_cache_dtype=kv_cache_dtype, compile=compile or "none",
-        buckets=engine.decode.buckets, tokens_per_s=tokens / elapsed, warmup_s=warmup,
+        scheme=scheme,
+        kv_cache_dtype=kv_cache_dtype,
+        compile=compile or "none",
+        buckets=engine.decode.buckets,
+        tokens_per_s=tokens / elapsed,
+        warmup_s=warmup,
         decode_step_ms=1e3 * (after["decode_s"] - before["decode_s"]) / max(1, steps),
-        decode_shapes=len(engine.decode.shapes), ttft_s=after["prefill_s"] - before["prefill_s"],
+        decode_shapes=len(engine.decode.shapes),
+        ttft_s=after["prefill_s"] - before["prefill_s"],
         prefill_forwards=after["prefill_forwards"] - before["prefill_forwards"],
-        decode_s=after["decode_s"] - before["decode_s"], decode_steps=steps,
-        sync_s=sync["transfer_s"], requant_s=sync["requant_s"], kv_calib_s=sync["kv_calibration_s"],
-        weight_gib=after["weight_bytes"] / 2**30, kv_gib=after["kv_cache_bytes"] / 2**30,
-        kv_bytes_per_token=after["kv_bytes_per_token"], **capacity, kv_kl=kv_kl,
-        peak_gib=peak_memory_bytes(engine.device) / 2**30, tokens=tokens,
-        weight_bytes=after["weight_bytes"])
+        decode_s=after["decode_s"] - before["decode_s"],
+        decode_steps=steps,
+        sync_s=sync["transfer_s"],
+        requant_s=sync["requant_s"],
+        kv_calib_s=sync["kv_calibration_s"],
+        weight_gib=after["weight_bytes"] / 2**30,
+        kv_gib=after["kv_cache_bytes"] / 2**30,
+        kv_bytes_per_token=after["kv_bytes_per_token"],
+        **capacity,
+        kv_kl=kv_kl,
+        peak_gib=peak_memory_bytes(engine.device) / 2**30,
+        tokens=tokens,
+        weight_bytes=after["weight_bytes"],
+    )
 
 
-def _bench_hf(model_dir: Path, cfg: BenchConfig, prompts: list[list[int]],
-              random: bool) -> BenchRow:
+def _bench_hf(
+    model_dir: Path, cfg: BenchConfig, prompts: list[list[int]], random: bool
+) -> BenchRow:
     """`transformers` generate on the same prompts; with `random`, a model built from the config
     directly on the device (transformers' own random init: throughput does not depend on the
     values, and at 7B dims this skips a CPU init and a 15 GB save and load)."""
@@ -334,8 +446,15 @@ def _bench_hf(model_dir: Path, cfg: BenchConfig, prompts: list[list[int]],
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         model = model.to(device).eval()
     ids = torch.tensor(prompts, device=device)
-    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                  max_new_tokens=cfg.output_len, min_new_tokens=cfg.output_len, pad_token_id=0)
+    kwargs = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=cfg.output_len,
+        min_new_tokens=cfg.output_len,
+        pad_token_id=0,
+    )
     with torch.no_grad():
         model.generate(ids[:4], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
         synchronize(device)
@@ -355,8 +474,9 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     schemes = [s.name for s in parse_scheme_list(cfg.quant)]
     with tempfile.TemporaryDirectory() as tmp:
         random = cfg.random_weights is not None
-        model_dir = (random_model_dir(cfg.random_weights, Path(tmp) / "model") if random
-                     else Path(cfg.model))
+        model_dir = (
+            random_model_dir(cfg.random_weights, Path(tmp) / "model") if random else Path(cfg.model)
+        )
         vocab = ModelConfig.from_model_dir(model_dir).vocab_size  # clear errors for a bad directory
         gen = torch.Generator().manual_seed(cfg.seed)
         prompts = torch.randint(3, vocab, (cfg.batch, cfg.prompt_len), generator=gen).tolist()
@@ -377,8 +497,13 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
             step_bytes = row.weight_bytes + row.kv_gib * 2**30 / 2
             row.floor_tokens_per_s = cfg.batch / (step_bytes / bandwidth)
             row.vs_floor = row.tokens_per_s / row.floor_tokens_per_s
-    return BenchResult(config=cfg, device=device_name(device), copy_bandwidth_gbs=bandwidth / 1e9,
-                       torch=torch.__version__, rows=rows)
+    return BenchResult(
+        config=cfg,
+        device=device_name(device),
+        copy_bandwidth_gbs=bandwidth / 1e9,
+        torch=torch.__version__,
+        rows=rows,
+    )
 
 
 def _release_memory() -> None:
@@ -388,9 +513,27 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-COLUMNS = ["scheme", "kv_cache_dtype", "compile", "buckets", "tokens_per_s", "vs_first",
-           "decode_step_ms", "decode_shapes", "warmup_s", "ttft_s", "sync_s", "requant_s",
-           "kv_calib_s", "weight_gib", "kv_gib", "max_sequences", "kv_kl", "peak_gib", "vs_floor"]
+COLUMNS = [
+    "scheme",
+    "kv_cache_dtype",
+    "compile",
+    "buckets",
+    "tokens_per_s",
+    "vs_first",
+    "decode_step_ms",
+    "decode_shapes",
+    "warmup_s",
+    "ttft_s",
+    "sync_s",
+    "requant_s",
+    "kv_calib_s",
+    "weight_gib",
+    "kv_gib",
+    "max_sequences",
+    "kv_kl",
+    "peak_gib",
+    "vs_floor",
+]
 
 
 def format_rows(rows: list[BenchRow], columns: list[str] = COLUMNS) -> str:

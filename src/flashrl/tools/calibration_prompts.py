@@ -23,7 +23,7 @@ CALIBRATION_PROMPTS: tuple[str, ...] = (
     "Solve for x: 3x + 7 = 22. Show your work and put the final answer after ####.",
     "Find all real numbers a such that the polynomial x^3 - ax^2 + 12x - 8 has three equal roots.",
     "What is 17 * 23? Answer: 17 * 23 = 17 * 20 + 17 * 3 = 340 + 51 =",
-    "def fibonacci(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
     "    if n < 2:\n        return n\n",
     "Write a Python function that checks whether a string is a palindrome, ignoring case and "
     "spaces.",
@@ -34,8 +34,7 @@ CALIBRATION_PROMPTS: tuple[str, ...] = (
     "the budget. After a long debate, members agreed to fund the new library but postponed the "
     "decision on the park.",
     "The mitochondria is the powerhouse of the cell. It produces energy in the form of ATP through",
-    "{\"id\": 42, \"name\": \"widget\", \"tags\": [\"blue\", \"small\"], \"price\": 3.5, "
-    "\"in_stock\": true,",
+    '{"id": 42, "name": "widget", "tags": ["blue", "small"], "price": 3.5, "in_stock": true,',
     "1. Preheat the oven to 180 C.\n2. Mix the flour, sugar and eggs.\n3.",
     "Once upon a time, in a village at the edge of a great forest, there lived an old "
     "clockmaker who",
@@ -74,8 +73,10 @@ def read_prompts_file(path: str | Path) -> list[str]:
             if isinstance(item, dict):
                 item = item.get("prompt", item.get("text"))
             if not isinstance(item, str) or not item:
-                raise InputError(f'{path}:{number}: expected a JSON string or an object with a '
-                                 f'"prompt" or "text" string')
+                raise InputError(
+                    f"{path}:{number}: expected a JSON string or an object with a "
+                    f'"prompt" or "text" string'
+                )
             prompts.append(item)
         else:
             prompts.append(line)
@@ -84,31 +85,40 @@ def read_prompts_file(path: str | Path) -> list[str]:
     return prompts
 
 
-def calibration_prompts(engine: Engine, max_prompt_tokens: int, prompts: str | None = None,
-                        seed: int = 0,
-                        model: str = "the model") -> tuple[list[list[int]], dict[str, Any]]:
+def calibration_prompts(
+    engine: Engine,
+    max_prompt_tokens: int,
+    prompts: str | None = None,
+    seed: int = 0,
+    model: str = "the model",
+) -> tuple[list[list[int]], dict[str, Any]]:
     """Token ids of the calibration prompts (the `prompts` file, else `CALIBRATION_PROMPTS`, else
     for a model without a tokenizer seeded random ids) and a description for the JSON."""
     info: dict[str, Any] = {"source": "builtin", "file": None, "note": None}
     if engine.tokenizer is None:
         if prompts is not None:
-            raise ConfigError(f"--prompts {prompts}: {model} has no tokenizer, so text "
-                              f"prompts cannot be encoded")
+            raise ConfigError(
+                f"--prompts {prompts}: {model} has no tokenizer, so text prompts cannot be encoded"
+            )
         gen = torch.Generator().manual_seed(seed)
         vocab = engine.model_config.vocab_size
-        lengths = torch.randint(max(1, max_prompt_tokens // 4), max_prompt_tokens + 1,
-                                (RANDOM_PROMPTS,), generator=gen)
+        lengths = torch.randint(
+            max(1, max_prompt_tokens // 4), max_prompt_tokens + 1, (RANDOM_PROMPTS,), generator=gen
+        )
         ids = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in lengths]
-        info.update(source="random_token_ids",
-                    note=f"the model has no tokenizer: {RANDOM_PROMPTS} prompts of seeded random "
-                         f"token ids (seed {seed})")
+        info.update(
+            source="random_token_ids",
+            note=f"the model has no tokenizer: {RANDOM_PROMPTS} prompts of seeded random "
+            f"token ids (seed {seed})",
+        )
         return ids, info
     texts = list(CALIBRATION_PROMPTS)
     if prompts is not None:
         texts = read_prompts_file(prompts)
         info.update(source="file", file=str(prompts))
-    ids = [engine.tokenizer(t, add_special_tokens=True)["input_ids"][:max_prompt_tokens]
-           for t in texts]
+    ids = [
+        engine.tokenizer(t, add_special_tokens=True)["input_ids"][:max_prompt_tokens] for t in texts
+    ]
     ids = [p for p in ids if p]
     if not ids:
         raise InputError("every calibration prompt encodes to zero tokens")

@@ -28,8 +28,9 @@ def check_device(device: str | None, flag: str = "--device") -> None:
         resolve_device(device)
     except (ConfigError, UnsupportedError) as err:
         if isinstance(err, ConfigError) or "cpu or cuda" in str(err):
-            raise ConfigError(f"{flag} {device!r} is invalid; allowed: cpu, cuda or "
-                              f"cuda:N") from None
+            raise ConfigError(
+                f"{flag} {device!r} is invalid; allowed: cpu, cuda or cuda:N"
+            ) from None
         detail = str(err).removeprefix(f"device={device!r}: ")
         raise UnsupportedError(f"{flag} {device}: {detail}; use {flag} cpu") from None
 
@@ -41,8 +42,9 @@ def _same_file(a: str | Path, b: str | Path) -> bool:
         return False
 
 
-def check_output(flag: str, out: str | None,
-                 inputs: Mapping[str, str | None] | None = None) -> None:
+def check_output(
+    flag: str, out: str | None, inputs: Mapping[str, str | None] | None = None
+) -> None:
     """Refuse an output path that the write at the end would fail on or that would destroy an
     input: an existing directory, a missing or read-only parent directory, or an input file."""
     if not out:
@@ -52,8 +54,10 @@ def check_output(flag: str, out: str | None,
         raise ConfigError(f"{flag} {out}: is a directory; give a file path")
     for input_flag, value in (inputs or {}).items():
         if value and _same_file(path, Path(value).expanduser()):
-            raise ConfigError(f"{flag} {out}: is the same file as {input_flag} {value}; writing it "
-                              f"would destroy the input: choose another {flag}")
+            raise ConfigError(
+                f"{flag} {out}: is the same file as {input_flag} {value}; writing it "
+                f"would destroy the input: choose another {flag}"
+            )
     parent = Path(os.path.realpath(path)).parent
     if not parent.is_dir():
         raise ConfigError(f"{flag} {out}: directory {str(parent)!r} does not exist")
@@ -71,8 +75,10 @@ def preflight(args: argparse.Namespace) -> None:
     """The checks every subcommand gets before its work: the device and the output file."""
     check_device(getattr(args, "device", None))
     if getattr(args, "out", None):
-        inputs = {f"--{name.replace('_', '-')}": getattr(args, name, None)
-                  for name in getattr(args, "inputs", ())}
+        inputs = {
+            f"--{name.replace('_', '-')}": getattr(args, name, None)
+            for name in getattr(args, "inputs", ())
+        }
         check_output("--out", args.out, inputs)
 
 

@@ -56,10 +56,13 @@ UserError = ConfigError
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="rollout throughput per precision (fixed output length)",
-                       description="Generate the same prompts with each scheme (EOS ignored, fixed "
-                                   "output length) and report tokens/s, ratio to the first scheme, "
-                                   "TTFT, weight sync + requant time, memory.")
+    p = sub.add_parser(
+        "bench",
+        help="rollout throughput per precision (fixed output length)",
+        description="Generate the same prompts with each scheme (EOS ignored, fixed "
+        "output length) and report tokens/s, ratio to the first scheme, "
+        "TTFT, weight sync + requant time, memory.",
+    )
     source = p.add_mutually_exclusive_group(required=True)
     add_fields(source, bench_tool.BenchConfig, only=("model", "random_weights"))
     add_fields(p, bench_tool.BenchConfig, skip=("model", "random_weights"))
@@ -71,10 +74,15 @@ def run_bench(args: argparse.Namespace) -> int:
     cfg = build(bench_tool.BenchConfig, args)
     result = bench_tool.run_bench(cfg)
     print(bench_tool.format_rows(result.rows))
-    budget = (f"; max_sequences for a {cfg.kv_budget_gib:g} GiB KV budget"
-              if cfg.kv_budget_gib is not None else "")
-    print(f"device: {result.device}; copy bandwidth {result.copy_bandwidth_gbs:.1f} GB/s; "
-          f"batch {cfg.batch}, prompt {cfg.prompt_len}, output {cfg.output_len} tokens{budget}")
+    budget = (
+        f"; max_sequences for a {cfg.kv_budget_gib:g} GiB KV budget"
+        if cfg.kv_budget_gib is not None
+        else ""
+    )
+    print(
+        f"device: {result.device}; copy bandwidth {result.copy_bandwidth_gbs:.1f} GB/s; "
+        f"batch {cfg.batch}, prompt {cfg.prompt_len}, output {cfg.output_len} tokens{budget}"
+    )
     if cfg.out:
         atomic_write_text(cfg.out, dumps(result.to_dict(), indent=2) + "\n")
         print(f"wrote {cfg.out}")
@@ -85,18 +93,19 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def add_profile(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("profile", help="per-layer quantization error, end-to-end mismatch and a "
-                                       "bf16 skip list",
-                       description="Measure how much each scheme distorts a bf16 checkpoint: "
-                                   "per linear layer the relative weight and output error on "
-                                   "calibration activations, end to end the mismatch of next-token "
-                                   "distributions (correction-module metric names), a recommended "
-                                   "skip list and the mismatch after skipping, weight memory. "
-                                   "Prints a table; writes JSON for `flashrl setup` (fields: "
-                                   "docs/profile.md).")
+    p = sub.add_parser(
+        "profile",
+        help="per-layer quantization error, end-to-end mismatch and a bf16 skip list",
+        description="Measure how much each scheme distorts a bf16 checkpoint: "
+        "per linear layer the relative weight and output error on "
+        "calibration activations, end to end the mismatch of next-token "
+        "distributions (correction-module metric names), a recommended "
+        "skip list and the mismatch after skipping, weight memory. "
+        "Prints a table; writes JSON for `flashrl setup` (fields: "
+        "docs/profile.md).",
+    )
     add_fields(p, profile_tool.ProfileConfig)
-    p.add_argument("--out", default="profile.json",
-                   help="JSON output file (default: profile.json)")
+    p.add_argument("--out", default="profile.json", help="JSON output file (default: profile.json)")
     p.set_defaults(run=run_profile, inputs=("prompts",))
 
 
@@ -112,13 +121,16 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def add_setup(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("setup", help="write a rollout config (flashrl.yaml) from a profile",
-                       description="Turn a `flashrl profile` JSON into a rollout config: "
-                                   "scheme, skip list, KV-cache dtype and scale mode, "
-                                   "lm_head_fp32, logprob mode. Use it with "
-                                   "FLASHRL_CONFIG=flashrl.yaml, Engine(model, "
-                                   "quant='flashrl.yaml'), `flashrl generate --quant flashrl.yaml` "
-                                   "or --rollout.file in `flashrl train`.")
+    p = sub.add_parser(
+        "setup",
+        help="write a rollout config (flashrl.yaml) from a profile",
+        description="Turn a `flashrl profile` JSON into a rollout config: "
+        "scheme, skip list, KV-cache dtype and scale mode, "
+        "lm_head_fp32, logprob mode. Use it with "
+        "FLASHRL_CONFIG=flashrl.yaml, Engine(model, "
+        "quant='flashrl.yaml'), `flashrl generate --quant flashrl.yaml` "
+        "or --rollout.file in `flashrl train`.",
+    )
     add_fields(p, setup_tool.SetupConfig)
     p.set_defaults(run=run_setup, inputs=("profile",))
 
@@ -127,12 +139,16 @@ def run_setup(args: argparse.Namespace) -> int:
     cfg = build(setup_tool.SetupConfig, args)
     config = setup_tool.run_setup(cfg.profile, cfg.out, quant=cfg.quant, threshold=cfg.threshold)
     kept = [name for name in config.skip if name not in DEFAULT_SKIP]
-    print(f"wrote {cfg.out}: quant={config.quant}, {len(kept)} tensor(s) kept in bf16 besides the "
-          f"defaults, kv_cache_dtype={config.kv_cache_dtype}, lm_head_fp32={config.lm_head_fp32}")
+    print(
+        f"wrote {cfg.out}: quant={config.quant}, {len(kept)} tensor(s) kept in bf16 besides the "
+        f"defaults, kv_cache_dtype={config.kv_cache_dtype}, lm_head_fp32={config.lm_head_fp32}"
+    )
     for name in kept:
         print(f"  skip {name}")
-    print(f"use: FLASHRL_CONFIG={cfg.out} python your_script.py   "
-          f"(or Engine(model, quant={cfg.out!r}))")
+    print(
+        f"use: FLASHRL_CONFIG={cfg.out} python your_script.py   "
+        f"(or Engine(model, quant={cfg.out!r}))"
+    )
     return 0
 
 
@@ -140,14 +156,16 @@ def run_setup(args: argparse.Namespace) -> int:
 
 
 def add_verify(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify",
-                       help="deterministic self-test of the install on this device (PASS/FAIL)",
-                       description="Check this install on this device with tiny built-in "
-                                   "models: GEMM kernels vs references, reload exactness (update "
-                                   "vs fresh load), logprob exactness vs float64 recomputation, "
-                                   "KV-cache path vs full forward, and the vLLM backend if "
-                                   "installed. Exits 1 if any check fails; SKIP rows (e.g. a "
-                                   "scheme this GPU cannot run) do not.")
+    p = sub.add_parser(
+        "verify",
+        help="deterministic self-test of the install on this device (PASS/FAIL)",
+        description="Check this install on this device with tiny built-in "
+        "models: GEMM kernels vs references, reload exactness (update "
+        "vs fresh load), logprob exactness vs float64 recomputation, "
+        "KV-cache path vs full forward, and the vLLM backend if "
+        "installed. Exits 1 if any check fails; SKIP rows (e.g. a "
+        "scheme this GPU cannot run) do not.",
+    )
     schemes = f"comma-separated schemes to check (default: all: {', '.join(SCHEMES)})"
     add_fields(p, verify_tool.VerifyConfig, help={"quant": schemes})
     p.set_defaults(run=run_verify)
@@ -171,22 +189,35 @@ def run_verify(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ main
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_generate, add_bench, add_train, add_profile, add_setup, add_verify]
+    add_generate,
+    add_bench,
+    add_train,
+    add_profile,
+    add_setup,
+    add_verify,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashrl",
-                                     description="Fast RL for LLMs with 8-bit rollouts.")
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="log at INFO level; show tracebacks")
+    parser = argparse.ArgumentParser(
+        prog="flashrl", description="Fast RL for LLMs with 8-bit rollouts."
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at INFO level; show tracebacks"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(sub)
     return parser
 
 
-_PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
-                PermissionError)
+_PATH_ERRORS = (
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+)
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
 
@@ -195,11 +226,15 @@ def user_error_message(err: BaseException) -> str | None:
     else (a bug, which keeps its traceback)."""
     if isinstance(err, FlashRLError):
         message = str(err)
-    elif isinstance(err, OSError) and (err.filename is not None or isinstance(err, _PATH_ERRORS)
-                                       or err.errno in _DISK_ERRNOS):
+    elif isinstance(err, OSError) and (
+        err.filename is not None or isinstance(err, _PATH_ERRORS) or err.errno in _DISK_ERRNOS
+    ):
         if err.filename is not None and err.strerror:
-            files = (f"{err.filename} -> {err.filename2}" if err.filename2 is not None
-                     else f"{err.filename}")
+            files = (
+                f"{err.filename} -> {err.filename2}"
+                if err.filename2 is not None
+                else f"{err.filename}"
+            )
             message = f"{files}: {err.strerror}"
         else:
             message = str(err)

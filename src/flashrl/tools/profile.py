@@ -117,8 +117,10 @@ class ProfileConfig:
         names = [s.name for s in parse_scheme_list(text)]
         if "bf16" in names:
             quantized = ", ".join(s for s in SCHEMES if s != "bf16")
-            raise ConfigError(f"--quant {text!r}: bf16 is the reference every scheme is compared "
-                              f"with; list quantized schemes only ({quantized})")
+            raise ConfigError(
+                f"--quant {text!r}: bf16 is the reference every scheme is compared "
+                f"with; list quantized schemes only ({quantized})"
+            )
         if len(set(names)) != len(names):
             raise ConfigError(f"--quant {text!r} names a scheme twice")
         return names
@@ -128,11 +130,15 @@ class ProfileConfig:
         self.schemes()
         threshold = self.threshold
         if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold > 0):
-            raise ConfigError(f"--threshold {threshold!r} is invalid; allowed: a positive number "
-                              f"(relative output error, default {DEFAULT_THRESHOLD})")
+            raise ConfigError(
+                f"--threshold {threshold!r} is invalid; allowed: a positive number "
+                f"(relative output error, default {DEFAULT_THRESHOLD})"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is invalid; "
-                              f"allowed: {', '.join(KV_CACHE_DTYPES)}")
+            raise ConfigError(
+                f"--kv-cache-dtype {self.kv_cache_dtype!r} is invalid; "
+                f"allowed: {', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} is invalid; allowed: {', '.join(DTYPES)}")
         for name in ("max_prompt_tokens", "max_new_tokens"):
@@ -175,16 +181,27 @@ class ProfileResult:
 
 def kv_cache_dtype_supported() -> bool:
     """Whether this build's `Engine` takes ``kv_cache_dtype`` (the fp8 KV cache)."""
-    return ("kv_cache_dtype" in inspect.signature(Engine).parameters
-            and hasattr(Engine, "kv_cache_mismatch"))
+    return "kv_cache_dtype" in inspect.signature(Engine).parameters and hasattr(
+        Engine, "kv_cache_mismatch"
+    )
 
 
-def make_engine(cfg: ProfileConfig, quant: str, skip: Sequence[str], max_len: int,
-                kv_cache_dtype: str = "bf16") -> Engine:
-    config = RolloutConfig(quant=quant, skip=tuple(skip), lm_head_fp32=cfg.lm_head_fp32,
-                           kv_cache_dtype=kv_cache_dtype)
-    return Engine(cfg.model, quant=config, dtype=cfg.dtype, device=cfg.device, max_batch=MAX_BATCH,
-                  max_len=max_len, seed=cfg.seed, progress=False)
+def make_engine(
+    cfg: ProfileConfig, quant: str, skip: Sequence[str], max_len: int, kv_cache_dtype: str = "bf16"
+) -> Engine:
+    config = RolloutConfig(
+        quant=quant, skip=tuple(skip), lm_head_fp32=cfg.lm_head_fp32, kv_cache_dtype=kv_cache_dtype
+    )
+    return Engine(
+        cfg.model,
+        quant=config,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        max_batch=MAX_BATCH,
+        max_len=max_len,
+        seed=cfg.seed,
+        progress=False,
+    )
 
 
 def _free() -> None:
@@ -219,17 +236,22 @@ class _Calibration:
         t = self.cfg.temperature
         exact = distribution_mismatch(self.reference, engine, self.sequences, t)
         sampled = engine.generate(self.prompts, self.params)
-        out = {"exact": exact, "sampled": sampled_mismatch(self.reference, sampled, t),
-               "kv_cache": None}
+        out = {
+            "exact": exact,
+            "sampled": sampled_mismatch(self.reference, sampled, t),
+            "kv_cache": None,
+        }
         if self.cfg.kv_cache_dtype != "bf16":
             kept = [r for r in self.rollouts if r.response_ids]
             out["kv_cache"] = engine.kv_cache_mismatch(
-                [r.prompt_ids for r in kept], [r.response_ids for r in kept], temperature=t)
+                [r.prompt_ids for r in kept], [r.response_ids for r in kept], temperature=t
+            )
         return out
 
 
-def _scheme_entry(cal: _Calibration, scheme: str, layers: list[dict[str, Any]],
-                  bf16_bytes: int) -> dict[str, Any]:
+def _scheme_entry(
+    cal: _Calibration, scheme: str, layers: list[dict[str, Any]], bf16_bytes: int
+) -> dict[str, Any]:
     """``schemes.<scheme>`` of the document: errors, the skip recommendation, the mismatch before
     and after skipping, memory."""
     cfg, kv = cal.cfg, cal.cfg.kv_cache_dtype
@@ -239,12 +261,19 @@ def _scheme_entry(cal: _Calibration, scheme: str, layers: list[dict[str, Any]],
     recommended = [name for f in flagged for name in f["names"]]
     skip = list(DEFAULT_SKIP) + recommended
     engine = make_engine(cfg, scheme, DEFAULT_SKIP, cal.max_len, kv)
-    memory = {"weight_bytes_bf16": bf16_bytes, "weight_bytes": engine.weight_nbytes(),
-              "weight_bytes_after_skip": None}
+    memory = {
+        "weight_bytes_bf16": bf16_bytes,
+        "weight_bytes": engine.weight_nbytes(),
+        "weight_bytes_after_skip": None,
+    }
     entry: dict[str, Any] = {
         "output_error_median": float(torch.tensor(errors).median()),
-        "output_error_max": max(errors), "flagged": flagged, "recommended_skip": recommended,
-        "skip": skip, "mismatch": cal.mismatch(engine), "mismatch_after_skip": None,
+        "output_error_max": max(errors),
+        "flagged": flagged,
+        "recommended_skip": recommended,
+        "skip": skip,
+        "mismatch": cal.mismatch(engine),
+        "mismatch_after_skip": None,
         "memory": memory,
     }
     engine = None
@@ -268,16 +297,21 @@ def _kv_cache_entry(cal: _Calibration) -> dict[str, Any]:
     engine = make_engine(cal.cfg, "bf16", DEFAULT_SKIP, cal.max_len, kv)
     kv_only = cal.mismatch(engine)
     del kv_only["exact"]  # bf16 weights: the no-cache forward is the reference itself
-    entry = {"dtype": kv, "kv_scale": engine.config.kv_scale,
-             "bytes_per_token_bf16": cal.reference.kv_bytes_per_token(),
-             "bytes_per_token": engine.kv_bytes_per_token(), "kv_only": kv_only}
+    entry = {
+        "dtype": kv,
+        "kv_scale": engine.config.kv_scale,
+        "bytes_per_token_bf16": cal.reference.kv_bytes_per_token(),
+        "bytes_per_token": engine.kv_bytes_per_token(),
+        "kv_only": kv_only,
+    }
     engine = None
     _free()
     return entry
 
 
-def _calibrate(cfg: ProfileConfig,
-               model_config: ModelConfig) -> tuple[_Calibration, dict[str, Any]]:
+def _calibrate(
+    cfg: ProfileConfig, model_config: ModelConfig
+) -> tuple[_Calibration, dict[str, Any]]:
     """The bf16 reference engine, the calibration prompts and its responses to them."""
     # Prompt and response budgets within the model's context.
     max_new = min(cfg.max_new_tokens, max(1, model_config.max_position_embeddings // 2))
@@ -287,16 +321,21 @@ def _calibrate(cfg: ProfileConfig,
         reason = scheme_unsupported_reason(scheme, reference.device)
         if reason:
             raise UnsupportedError(f"--quant {scheme}: cannot run on {reference.device}: {reason}")
-    prompts, calibration = calibration_prompts(reference, max_prompt, cfg.prompts, cfg.seed,
-                                               cfg.model)
+    prompts, calibration = calibration_prompts(
+        reference, max_prompt, cfg.prompts, cfg.seed, cfg.model
+    )
     params = SamplingParams(temperature=cfg.temperature, max_tokens=max_new, seed=cfg.seed)
     logger.info("profile: sampling %d bf16 responses", len(prompts))
-    cal = _Calibration(cfg, reference, prompts, params, reference.generate(prompts, params),
-                       max_prompt + max_new)
+    cal = _Calibration(
+        cfg, reference, prompts, params, reference.generate(prompts, params), max_prompt + max_new
+    )
     sequences = cal.sequences
-    calibration.update(num_sequences=len(sequences), prompt_tokens=sum(len(p) for p in prompts),
-                       response_tokens=sum(len(r.response_ids) for r in cal.rollouts),
-                       positions=sum(len(s) for s in sequences))
+    calibration.update(
+        num_sequences=len(sequences),
+        prompt_tokens=sum(len(p) for p in prompts),
+        response_tokens=sum(len(r.response_ids) for r in cal.rollouts),
+        positions=sum(len(s) for s in sequences),
+    )
     return cal, calibration
 
 
@@ -306,9 +345,11 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     schemes = cfg.schemes()
     model_config = ModelConfig.from_model_dir(cfg.model)  # clear errors for a bad directory
     if cfg.kv_cache_dtype != "bf16" and not kv_cache_dtype_supported():
-        raise UnsupportedError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: the fp8 KV cache is not "
-                               f"available in this build of flashrl (Engine has no kv_cache_dtype "
-                               f"argument or no kv_cache_mismatch); profile without it")
+        raise UnsupportedError(
+            f"--kv-cache-dtype {cfg.kv_cache_dtype}: the fp8 KV cache is not "
+            f"available in this build of flashrl (Engine has no kv_cache_dtype "
+            f"argument or no kv_cache_mismatch); profile without it"
+        )
     cal, calibration = _calibrate(cfg, model_config)
     logger.info("profile: per-layer errors over %d tokens", calibration["positions"])
     layers = layer_errors(cal.reference, cal.sequences, schemes)
@@ -316,19 +357,36 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     device = cal.reference.device
     c = model_config
     result = ProfileResult(
-        schema_version=SCHEMA_VERSION, flashrl_version=flashrl.__version__,
+        schema_version=SCHEMA_VERSION,
+        flashrl_version=flashrl.__version__,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        model={"path": str(Path(cfg.model).resolve()), "family": c.family,
-               "num_layers": c.num_layers, "hidden_size": c.hidden_size,
-               "vocab_size": c.vocab_size, "tie_word_embeddings": c.tie_word_embeddings},
-        device=str(device), device_name=device_name(device), dtype=cfg.dtype,
-        settings={"schemes": schemes, "threshold": float(cfg.threshold),
-                  "kv_cache_dtype": cfg.kv_cache_dtype, "lm_head_fp32": cfg.lm_head_fp32,
-                  "seed": cfg.seed, "max_prompt_tokens": cal.max_len - cal.params.max_tokens,
-                  "max_new_tokens": cal.params.max_tokens, "temperature": cfg.temperature},
-        calibration=calibration, layers=layers,
+        model={
+            "path": str(Path(cfg.model).resolve()),
+            "family": c.family,
+            "num_layers": c.num_layers,
+            "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size,
+            "tie_word_embeddings": c.tie_word_embeddings,
+        },
+        device=str(device),
+        device_name=device_name(device),
+        dtype=cfg.dtype,
+        settings={
+            "schemes": schemes,
+            "threshold": float(cfg.threshold),
+            "kv_cache_dtype": cfg.kv_cache_dtype,
+            "lm_head_fp32": cfg.lm_head_fp32,
+            "seed": cfg.seed,
+            "max_prompt_tokens": cal.max_len - cal.params.max_tokens,
+            "max_new_tokens": cal.params.max_tokens,
+            "temperature": cfg.temperature,
+        },
+        calibration=calibration,
+        layers=layers,
         baseline={"sampled": sampled_mismatch(cal.reference, cal.rollouts, cfg.temperature)},
-        schemes={}, kv_cache=None)
+        schemes={},
+        kv_cache=None,
+    )
     for scheme in schemes:
         result.schemes[scheme] = _scheme_entry(cal, scheme, layers, bf16_bytes)
     if cfg.kv_cache_dtype != "bf16":

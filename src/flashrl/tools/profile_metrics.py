@@ -29,8 +29,9 @@ def shard_names(engine_name: str, num_shards: int) -> list[str]:
     parent, _, leaf = engine_name.rpartition(".")
     parts = FUSED_SHARDS.get(leaf, (leaf,))
     if len(parts) != num_shards:
-        raise ValueError(f"engine layer {engine_name} has {num_shards} shard(s); "
-                         f"expected {len(parts)}")
+        raise ValueError(
+            f"engine layer {engine_name} has {num_shards} shard(s); expected {len(parts)}"
+        )
     return [f"model.{parent}.{p}" for p in parts]
 
 
@@ -47,8 +48,9 @@ def _amax_ratio(t: torch.Tensor) -> float:
     return float(t.abs().max()) / rms if rms > 0 else 0.0
 
 
-def _quantized_output(module: DenseLinear, scheme: str, name: str,
-                      x: torch.Tensor) -> tuple[QuantLinear, torch.Tensor]:
+def _quantized_output(
+    module: DenseLinear, scheme: str, name: str, x: torch.Tensor
+) -> tuple[QuantLinear, torch.Tensor]:
     """`module` quantized with `scheme` and its output on `x`, in fp32 where the GEMM allows (the
     bf16 output rounding is not quantization error)."""
     q = QuantLinear.from_linear(module, scheme, shard_sizes=module.shard_sizes)
@@ -58,13 +60,17 @@ def _quantized_output(module: DenseLinear, scheme: str, name: str,
         if x.device.type != "cuda":
             raise
         # Some CUDA fp8 kernels only produce bf16: measured with that rounding (about 0.2 %).
-        logger.warning("profile: %s on %s: fp32 output refused by the GEMM; measuring with bf16 "
-                       "output", scheme, name)
+        logger.warning(
+            "profile: %s on %s: fp32 output refused by the GEMM; measuring with bf16 output",
+            scheme,
+            name,
+        )
         return q, q(x.to(module.weight.dtype)).float()
 
 
-def _shard_errors(name: str, module: DenseLinear, x: torch.Tensor,
-                  schemes: Sequence[str]) -> list[dict[str, Any]]:
+def _shard_errors(
+    name: str, module: DenseLinear, x: torch.Tensor, schemes: Sequence[str]
+) -> list[dict[str, Any]]:
     """The layer entries (one per checkpoint shard) of engine layer `name` on its inputs `x`."""
     w = module.weight.float()
     y_ref = x.float() @ w.t()
@@ -73,10 +79,17 @@ def _shard_errors(name: str, module: DenseLinear, x: torch.Tensor,
     entries = []
     for i, hf_name in enumerate(shard_names(name, len(module.shard_sizes))):
         start, end = module.shard_rows(i)
-        entries.append({"name": hf_name, "engine_layer": f"model.{name}",
-                        "shape": [end - start, module.in_features], "tokens": int(x.shape[0]),
-                        "weight_amax_ratio": _amax_ratio(w[start:end]),
-                        "input_amax_ratio": _amax_ratio(x), "errors": {}})
+        entries.append(
+            {
+                "name": hf_name,
+                "engine_layer": f"model.{name}",
+                "shape": [end - start, module.in_features],
+                "tokens": int(x.shape[0]),
+                "weight_amax_ratio": _amax_ratio(w[start:end]),
+                "input_amax_ratio": _amax_ratio(x),
+                "errors": {},
+            }
+        )
     for scheme in schemes:
         q, y_q = _quantized_output(module, scheme, name, x)
         w_deq = q.dequantized_weight(torch.float32)
@@ -91,13 +104,17 @@ def _shard_errors(name: str, module: DenseLinear, x: torch.Tensor,
 
 
 @torch.no_grad()
-def layer_errors(engine: Engine, sequences: list[list[int]],
-                 schemes: Sequence[str]) -> list[dict[str, Any]]:
+def layer_errors(
+    engine: Engine, sequences: list[list[int]], schemes: Sequence[str]
+) -> list[dict[str, Any]]:
     """Per checkpoint tensor: weight and output errors of every scheme on the inputs the bf16
     `engine` sees over `sequences` (one batched no-cache forward, right-padded; padding rows are
     dropped)."""
-    layers = [(name, m) for name, m in engine.model.named_modules()
-              if isinstance(m, DenseLinear) and name.startswith("layers.")]
+    layers = [
+        (name, m)
+        for name, m in engine.model.named_modules()
+        if isinstance(m, DenseLinear) and name.startswith("layers.")
+    ]
     batch = pad_right(sequences, engine.device)
     valid = batch.valid.flatten()
     rows: list[dict[str, Any]] = []
@@ -120,15 +137,18 @@ def layer_errors(engine: Engine, sequences: list[list[int]],
     return rows
 
 
-def recommend_skip(layers: list[dict[str, Any]], scheme: str,
-                   threshold: float) -> list[dict[str, Any]]:
+def recommend_skip(
+    layers: list[dict[str, Any]], scheme: str, threshold: float
+) -> list[dict[str, Any]]:
     """Engine layers with a shard whose output error exceeds `threshold`, worst first: each with
     its `engine_layer`, all shard `names` and the max `output_error`."""
     flagged: dict[str, dict[str, Any]] = {}
     for entry in layers:
         err = entry["errors"][scheme]["output_error"]
-        item = flagged.setdefault(entry["engine_layer"], {"engine_layer": entry["engine_layer"],
-                                                          "names": [], "output_error": 0.0})
+        item = flagged.setdefault(
+            entry["engine_layer"],
+            {"engine_layer": entry["engine_layer"], "names": [], "output_error": 0.0},
+        )
         item["names"].append(entry["name"])
         item["output_error"] = max(item["output_error"], err)
     chosen = [f for f in flagged.values() if f["output_error"] > threshold]
@@ -136,8 +156,9 @@ def recommend_skip(layers: list[dict[str, Any]], scheme: str,
 
 
 @torch.no_grad()
-def distribution_mismatch(reference: Engine, engine: Engine, sequences: list[list[int]],
-                          temperature: float = 1.0) -> dict[str, float]:
+def distribution_mismatch(
+    reference: Engine, engine: Engine, sequences: list[list[int]], temperature: float = 1.0
+) -> dict[str, float]:
     """Full-vocabulary comparison in fp64 of `engine` (q) with `reference` (p) at every position of
     `sequences` (no-cache forwards); fields as in the module doc's ``exact``."""
     sums = dict(kl=0.0, reverse_kl=0.0, tv=0.0, rollout_probs_diff_mean=0.0, top1_agreement=0.0)
@@ -159,13 +180,25 @@ def distribution_mismatch(reference: Engine, engine: Engine, sequences: list[lis
         positions += len(seq)
     out = {k: v / positions for k, v in sums.items()}
     out.update(kl_max=kl_max, rollout_probs_diff_max=diff_max, positions=positions)
-    return {k: out[k] for k in ("kl", "kl_max", "reverse_kl", "tv", "rollout_probs_diff_max",
-                                "rollout_probs_diff_mean", "top1_agreement", "positions")}
+    return {
+        k: out[k]
+        for k in (
+            "kl",
+            "kl_max",
+            "reverse_kl",
+            "tv",
+            "rollout_probs_diff_max",
+            "rollout_probs_diff_mean",
+            "top1_agreement",
+            "positions",
+        )
+    }
 
 
 @torch.no_grad()
-def sampled_mismatch(reference: Engine, rollouts: list[Rollout],
-                     temperature: float = 1.0) -> dict[str, float]:
+def sampled_mismatch(
+    reference: Engine, rollouts: list[Rollout], temperature: float = 1.0
+) -> dict[str, float]:
     """`flashrl.correction.mismatch_metrics` of rollouts (the engine's sampled logprobs) against the
     reference engine's rescoring of the same tokens: what training logs at step 0."""
     rollouts = [r for r in rollouts if r.response_ids]

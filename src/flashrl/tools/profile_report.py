@@ -25,37 +25,47 @@ def _layer_table(doc: dict[str, Any]) -> list[str]:
         worst = sorted(layers, key=lambda e: -max(e["errors"][s]["output_error"] for s in schemes))
         keep = {id(e) for e in worst[:MAX_TABLE_LAYERS]}
         layers = [e for e in layers if id(e) in keep]
-        lines = [f"per-layer relative errors of the {MAX_TABLE_LAYERS} worst of "
-                 f"{len(doc['layers'])} tensors (all in the JSON; * = output error above the "
-                 f"threshold {threshold:g})"]
+        lines = [
+            f"per-layer relative errors of the {MAX_TABLE_LAYERS} worst of "
+            f"{len(doc['layers'])} tensors (all in the JSON; * = output error above the "
+            f"threshold {threshold:g})"
+        ]
     else:
         lines = [f"per-layer relative errors (* = output error above the threshold {threshold:g})"]
     rows = []
     for entry in layers:
-        row = {"layer": entry["name"], "shape": "x".join(map(str, entry["shape"])),
-               "w amax/rms": f"{entry['weight_amax_ratio']:.1f}"}
+        row = {
+            "layer": entry["name"],
+            "shape": "x".join(map(str, entry["shape"])),
+            "w amax/rms": f"{entry['weight_amax_ratio']:.1f}",
+        }
         for s in schemes:
             e = entry["errors"][s]
             row[f"{s} weight"] = fmt(e["weight_error"])
             flag = " *" if e["output_error"] > threshold else ""
             row[f"{s} output"] = fmt(e["output_error"]) + flag
         rows.append(row)
-    columns = ["layer", "shape", "w amax/rms"] + [f"{s} {k}" for s in schemes
-                                                  for k in ("weight", "output")]
+    columns = ["layer", "shape", "w amax/rms"] + [
+        f"{s} {k}" for s in schemes for k in ("weight", "output")
+    ]
     return lines + [format_table(rows, columns)]
 
 
 def _mismatch_row(label: str, mismatch: dict[str, Any], weight_bytes: int | None) -> dict[str, str]:
     exact, sampled = mismatch.get("exact") or {}, mismatch["sampled"]
     kv = mismatch.get("kv_cache") or {}
-    return {"config": label, "kv kl": fmt(kv.get("kl")) if kv else "-",
-            "kl": fmt(exact.get("kl")) if exact else "-",
-            "kl max": fmt(exact.get("kl_max")) if exact else "-",
-            "probs diff max": fmt(exact.get("rollout_probs_diff_max")) if exact else "-",
-            "top1 agree": fmt(exact.get("top1_agreement"), 4) if exact else "-",
-            "sampled kl": fmt(sampled.get("kl")), "sampled k3_kl": fmt(sampled.get("k3_kl")),
-            "sampled probs diff max": fmt(sampled.get("rollout_probs_diff_max")),
-            "weights MiB": f"{weight_bytes / 2**20:.2f}" if weight_bytes else ""}
+    return {
+        "config": label,
+        "kv kl": fmt(kv.get("kl")) if kv else "-",
+        "kl": fmt(exact.get("kl")) if exact else "-",
+        "kl max": fmt(exact.get("kl_max")) if exact else "-",
+        "probs diff max": fmt(exact.get("rollout_probs_diff_max")) if exact else "-",
+        "top1 agree": fmt(exact.get("top1_agreement"), 4) if exact else "-",
+        "sampled kl": fmt(sampled.get("kl")),
+        "sampled k3_kl": fmt(sampled.get("k3_kl")),
+        "sampled probs diff max": fmt(sampled.get("rollout_probs_diff_max")),
+        "weights MiB": f"{weight_bytes / 2**20:.2f}" if weight_bytes else "",
+    }
 
 
 def _mismatch_table(doc: dict[str, Any]) -> list[str]:
@@ -68,9 +78,13 @@ def _mismatch_table(doc: dict[str, Any]) -> list[str]:
         entry = doc["schemes"][s]
         rows.append(_mismatch_row(s, entry["mismatch"], entry["memory"]["weight_bytes"]))
         if entry["mismatch_after_skip"] is not None:
-            rows.append(_mismatch_row(f"{s} + skip {len(entry['flagged'])} layer(s)",
-                                      entry["mismatch_after_skip"],
-                                      entry["memory"]["weight_bytes_after_skip"]))
+            rows.append(
+                _mismatch_row(
+                    f"{s} + skip {len(entry['flagged'])} layer(s)",
+                    entry["mismatch_after_skip"],
+                    entry["memory"]["weight_bytes_after_skip"],
+                )
+            )
     if kv:
         rows.append(_mismatch_row(f"bf16 weights + {kv['dtype']} KV", kv["kv_only"], None))
     columns = ["config", "kl", "kl max", "probs diff max", "top1 agree"] + (["kv kl"] if kv else [])
@@ -79,30 +93,39 @@ def _mismatch_table(doc: dict[str, Any]) -> list[str]:
         "exact over the full vocabulary at every calibration position",
         "(no-cache forwards); kv kl: the KV cache only, exact, teacher-forced; sampled *: "
         "everything, on the config's own rollouts (what training logs at step 0)",
-        format_table(rows, columns + ["sampled kl", "sampled k3_kl", "sampled probs diff max",
-                                      "weights MiB"])]
+        format_table(
+            rows, columns + ["sampled kl", "sampled k3_kl", "sampled probs diff max", "weights MiB"]
+        ),
+    ]
     if kv:
-        lines.append(f"KV cache {kv['dtype']} (scales: {kv['kv_scale']}): {kv['bytes_per_token']} "
-                     f"bytes per token, {kv['bytes_per_token_bf16']} in bf16")
+        lines.append(
+            f"KV cache {kv['dtype']} (scales: {kv['kv_scale']}): {kv['bytes_per_token']} "
+            f"bytes per token, {kv['bytes_per_token_bf16']} in bf16"
+        )
     return lines
 
 
 def format_profile(doc: dict[str, Any]) -> str:
     """The readable summary printed by `flashrl profile`, from the JSON document."""
     model, calibration = doc["model"], doc["calibration"]
-    lines = [f"model {model['path']} ({model['family']}, {model['num_layers']} layers) on "
-             f"{doc['device_name']}; calibration: {calibration['source']}, "
-             f"{calibration['num_sequences']} sequences, {calibration['positions']} positions"]
+    lines = [
+        f"model {model['path']} ({model['family']}, {model['num_layers']} layers) on "
+        f"{doc['device_name']}; calibration: {calibration['source']}, "
+        f"{calibration['num_sequences']} sequences, {calibration['positions']} positions"
+    ]
     if calibration.get("note"):
         lines.append(f"note: {calibration['note']}")
     lines += ["", *_layer_table(doc), "", *_mismatch_table(doc), ""]
     for s in doc["settings"]["schemes"]:
         entry = doc["schemes"][s]
         if entry["flagged"]:
-            worst = ", ".join(f"{f['engine_layer']} ({f['output_error']:.3g})"
-                              for f in entry["flagged"])
+            worst = ", ".join(
+                f"{f['engine_layer']} ({f['output_error']:.3g})" for f in entry["flagged"]
+            )
             lines.append(f"{s}: keep {len(entry['flagged'])} layer(s) in bf16: {worst}")
         else:
-            lines.append(f"{s}: no layer above the threshold; max output error "
-                         f"{entry['output_error_max']:.3g}")
+            lines.append(
+                f"{s}: no layer above the threshold; max output error "
+                f"{entry['output_error_max']:.3g}"
+            )
     return "\n".join(lines)

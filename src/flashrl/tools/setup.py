@@ -38,14 +38,16 @@ def _require(doc: Any, path: str, source: str, kind: type | tuple[type, ...]) ->
     value = doc
     for key in path.split("."):
         if not isinstance(value, dict) or key not in value:
-            raise InputError(f"{source}: missing field {path!r}; is this a file written by "
-                             f"`flashrl profile`?")
+            raise InputError(
+                f"{source}: missing field {path!r}; is this a file written by `flashrl profile`?"
+            )
         value = value[key]
     numeric = kind in (int, float, (int, float))
-    if not isinstance(value, kind) or isinstance(value, bool) and numeric:
+    if not isinstance(value, kind) or (isinstance(value, bool) and numeric):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise InputError(f"{source}: field {path!r} has type {type(value).__name__}; expected "
-                         f"{names}")
+        raise InputError(
+            f"{source}: field {path!r} has type {type(value).__name__}; expected {names}"
+        )
     return value
 
 
@@ -53,8 +55,10 @@ def load_profile(path: str | Path) -> dict[str, Any]:
     """Read and validate a profile JSON; errors name the file and the field."""
     path = Path(path)
     if path.is_dir():
-        raise InputError(f"--profile: {str(path)!r} is a directory; expected a JSON file written "
-                         f"by `flashrl profile`")
+        raise InputError(
+            f"--profile: {str(path)!r} is a directory; expected a JSON file written "
+            f"by `flashrl profile`"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"--profile: file {str(path)!r} does not exist")
     try:
@@ -64,8 +68,10 @@ def load_profile(path: str | Path) -> dict[str, Any]:
     source = str(path)
     version = _require(doc, "schema_version", source, int)
     if version != SCHEMA_VERSION:
-        raise InputError(f"{source}: schema_version {version} is not supported by this flashrl "
-                         f"(reads {SCHEMA_VERSION}); re-run `flashrl profile`")
+        raise InputError(
+            f"{source}: schema_version {version} is not supported by this flashrl "
+            f"(reads {SCHEMA_VERSION}); re-run `flashrl profile`"
+        )
     schemes = _require(doc, "settings.schemes", source, list)
     _require(doc, "settings.kv_cache_dtype", source, str)
     _require(doc, "settings.lm_head_fp32", source, bool)
@@ -73,8 +79,10 @@ def load_profile(path: str | Path) -> dict[str, Any]:
     _require(doc, "layers", source, list)
     for s in schemes:
         if s not in SCHEMES:
-            raise InputError(f"{source}: settings.schemes names unknown scheme {s!r}; allowed: "
-                             f"{', '.join(SCHEMES)}")
+            raise InputError(
+                f"{source}: settings.schemes names unknown scheme {s!r}; allowed: "
+                f"{', '.join(SCHEMES)}"
+            )
         _require(doc, f"schemes.{s}.skip", source, list)
         _require(doc, f"schemes.{s}.mismatch", source, dict)
     for i, entry in enumerate(doc["layers"]):
@@ -85,8 +93,12 @@ def load_profile(path: str | Path) -> dict[str, Any]:
     return doc
 
 
-def build_setup(profile: dict[str, Any], quant: str | None = None, threshold: float | None = None,
-                source: str = "profile") -> tuple[RolloutConfig, str]:
+def build_setup(
+    profile: dict[str, Any],
+    quant: str | None = None,
+    threshold: float | None = None,
+    source: str = "profile",
+) -> tuple[RolloutConfig, str]:
     """The `RolloutConfig` for one profiled scheme and the header comment describing it.
 
     `quant` picks among the profiled schemes (required when several were profiled); `threshold`
@@ -95,13 +107,16 @@ def build_setup(profile: dict[str, Any], quant: str | None = None, threshold: fl
     schemes = profile["settings"]["schemes"]
     if quant is None:
         if len(schemes) != 1:
-            raise ConfigError(f"{source} profiles {len(schemes)} schemes ({', '.join(schemes)}); "
-                              f"choose one with --quant")
+            raise ConfigError(
+                f"{source} profiles {len(schemes)} schemes ({', '.join(schemes)}); "
+                f"choose one with --quant"
+            )
         quant = schemes[0]
     quant = quant.strip().lower()
     if quant not in schemes:
-        raise ConfigError(f"--quant {quant!r} was not profiled in {source}; allowed: "
-                          f"{', '.join(schemes)}")
+        raise ConfigError(
+            f"--quant {quant!r} was not profiled in {source}; allowed: {', '.join(schemes)}"
+        )
     skip = list(profile["schemes"][quant]["skip"])
     if threshold is not None:
         if not (math.isfinite(threshold) and threshold > 0):
@@ -110,16 +125,22 @@ def build_setup(profile: dict[str, Any], quant: str | None = None, threshold: fl
         skip = list(DEFAULT_SKIP) + [n for f in flagged for n in f["names"]]
     try:
         settings = profile["settings"]
-        config = RolloutConfig(quant=quant, skip=tuple(skip),
-                               kv_cache_dtype=settings["kv_cache_dtype"], kv_scale="calibrated",
-                               lm_head_fp32=settings["lm_head_fp32"], logprobs_mode="processed")
+        config = RolloutConfig(
+            quant=quant,
+            skip=tuple(skip),
+            kv_cache_dtype=settings["kv_cache_dtype"],
+            kv_scale="calibrated",
+            lm_head_fp32=settings["lm_head_fp32"],
+            logprobs_mode="processed",
+        )
     except ConfigError as err:
         raise InputError(f"{source}: schemes.{quant}: {err}") from None
     return config, _header(profile, quant, skip, threshold, source)
 
 
-def _header(profile: dict[str, Any], quant: str, skip: list[str], threshold: float | None,
-            source: str) -> str:
+def _header(
+    profile: dict[str, Any], quant: str, skip: list[str], threshold: float | None, source: str
+) -> str:
     """The comment lines at the top of the config: where it came from and what it measured."""
     entry, used = profile["schemes"][quant], profile["settings"]["threshold"]
     exact = entry["mismatch"].get("exact")
@@ -135,21 +156,31 @@ def _header(profile: dict[str, Any], quant: str, skip: list[str], threshold: flo
         f"besides the defaults ({', '.join(DEFAULT_SKIP)})",
     ]
     if threshold is None or threshold == used:
-        lines.append(f"threshold {used:g} (relative output error); exact KL(quant || bf16) per "
-                     f"position: {fmt(before)} with all layers quantized, {fmt(after)} with this "
-                     f"skip list")
+        lines.append(
+            f"threshold {used:g} (relative output error); exact KL(quant || bf16) per "
+            f"position: {fmt(before)} with all layers quantized, {fmt(after)} with this "
+            f"skip list"
+        )
     else:
-        lines.append(f"threshold {threshold:g} chosen at setup (the profile used {used:g}): the "
-                     f"mismatch of this skip list was not measured; re-run `flashrl profile "
-                     f"--threshold {threshold:g}` to measure it")
-    lines += ["use: FLASHRL_CONFIG=<this file>, Engine(model, quant=<this file>), "
-              "flashrl generate --quant <this file>,",
-              "     or flashrl train --rollout.file <this file>"]
+        lines.append(
+            f"threshold {threshold:g} chosen at setup (the profile used {used:g}): the "
+            f"mismatch of this skip list was not measured; re-run `flashrl profile "
+            f"--threshold {threshold:g}` to measure it"
+        )
+    lines += [
+        "use: FLASHRL_CONFIG=<this file>, Engine(model, quant=<this file>), "
+        "flashrl generate --quant <this file>,",
+        "     or flashrl train --rollout.file <this file>",
+    ]
     return "\n".join(lines)
 
 
-def run_setup(profile_path: str | Path, out: str | Path, quant: str | None = None,
-              threshold: float | None = None) -> RolloutConfig:
+def run_setup(
+    profile_path: str | Path,
+    out: str | Path,
+    quant: str | None = None,
+    threshold: float | None = None,
+) -> RolloutConfig:
     """Read a profile, write the YAML config for one scheme to `out`, and return the config."""
     profile = load_profile(profile_path)
     config, header = build_setup(profile, quant, threshold, source=str(profile_path))

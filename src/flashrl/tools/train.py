@@ -21,30 +21,47 @@ logger = logging.getLogger("flashrl")
 
 
 def add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", allow_abbrev=False,
-                       help="GRPO/DAPO training with quantized rollouts (default: tiny task on "
-                            "CPU)",
-                       description="RL training: rollouts with a quantized engine, per-step weight "
-                                   "sync and rollout correction. With no arguments, trains the "
-                                   "built-in tiny model on CPU.",
-                       epilog="Every TrainConfig field is a flag --group.field VALUE (defaults "
-                              "below are the dataclass's; the preset sets some). The flat flags of "
-                              "flashrl 0.1 (--rollout-quant, --tis-cap, ...) still work, with a "
-                              "warning. Example: flashrl train --rollout.quant fp8 --run.steps 20 "
-                              "--correction.weight none")
-    p.add_argument("--preset", default="tiny-cpu",
-                   help=f"named preset: {', '.join(PRESETS)} (default: tiny-cpu)")
-    p.add_argument("--config", default=None,
-                   help="YAML file of TrainConfig fields, nested like the flags (over the preset)")
+    p = sub.add_parser(
+        "train",
+        allow_abbrev=False,
+        help="GRPO/DAPO training with quantized rollouts (default: tiny task on CPU)",
+        description="RL training: rollouts with a quantized engine, per-step weight "
+        "sync and rollout correction. With no arguments, trains the "
+        "built-in tiny model on CPU.",
+        epilog="Every TrainConfig field is a flag --group.field VALUE (defaults "
+        "below are the dataclass's; the preset sets some). The flat flags of "
+        "flashrl 0.1 (--rollout-quant, --tis-cap, ...) still work, with a "
+        "warning. Example: flashrl train --rollout.quant fp8 --run.steps 20 "
+        "--correction.weight none",
+    )
+    p.add_argument(
+        "--preset",
+        default="tiny-cpu",
+        help=f"named preset: {', '.join(PRESETS)} (default: tiny-cpu)",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="YAML file of TrainConfig fields, nested like the flags (over the preset)",
+    )
     add_fields(p, TrainConfig, only=("model",))
     for group, cls in GROUPS.items():
         flags = p.add_argument_group(f"{group} ({cls.__name__})")
-        add_fields(flags, cls, prefix=f"{group}.",
-                   defaults={"quant": "int8"} if group == "rollout" else None)
+        add_fields(
+            flags,
+            cls,
+            prefix=f"{group}.",
+            defaults={"quant": "int8"} if group == "rollout" else None,
+        )
         if group == "rollout":
-            flags.add_argument(f"--{ROLLOUT_FILE}", dest=ROLLOUT_FILE, default=argparse.SUPPRESS,
-                               metavar="FILE", help="a rollout config (flashrl.yaml from `flashrl "
-                               "setup`, or a scheme) as the base of this group")
+            flags.add_argument(
+                f"--{ROLLOUT_FILE}",
+                dest=ROLLOUT_FILE,
+                default=argparse.SUPPRESS,
+                metavar="FILE",
+                help="a rollout config (flashrl.yaml from `flashrl "
+                "setup`, or a scheme) as the base of this group",
+            )
     p.set_defaults(run=run_train, accepts_overrides=True)
 
 
@@ -84,9 +101,9 @@ def run_train(args: argparse.Namespace) -> int:
     check_device(config.run.device, "--run.device")
     out = Path(config.run.output_dir)
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"run.output_dir={config.run.output_dir!r} is a file; expected a "
-                          f"directory (created if missing)")
+        raise ConfigError(
+            f"run.output_dir={config.run.output_dir!r} is a file; expected a "
+            f"directory (created if missing)"
+        )
     rl_run.run(config)
     return 0
-
-

@@ -63,12 +63,19 @@ class Check:
 
 
 CHECKS: dict[str, Check] = {
-    "gemm": Check(check_gemm, "quantized", f"int8 acc exact; fp32 rel <= {GEMM_FP32_TOL:g}; "
-                                           f"bf16 rel <= {GEMM_BF16_TOL:g}"),
+    "gemm": Check(
+        check_gemm,
+        "quantized",
+        f"int8 acc exact; fp32 rel <= {GEMM_FP32_TOL:g}; bf16 rel <= {GEMM_BF16_TOL:g}",
+    ),
     "reload": Check(check_reload, "all", "bit-exact"),
     "logprobs": Check(check_logprobs, "all", f"max <= {LOGPROB_TOL:g} nats"),
-    "kv_cache": Check(check_kv_cache, "all", f"bf16: max <= {KV_TOL:g}; quantized: median <= "
-                                             f"{KV_TOL:g}, max <= {KV_MAX_TOL_QUANTIZED:g} nats"),
+    "kv_cache": Check(
+        check_kv_cache,
+        "all",
+        f"bf16: max <= {KV_TOL:g}; quantized: median <= "
+        f"{KV_TOL:g}, max <= {KV_MAX_TOL_QUANTIZED:g} nats",
+    ),
     "vllm": Check(check_vllm, "one", "equal"),
 }
 """The checks in the order they run (tests may replace an entry to make its rows fail)."""
@@ -98,19 +105,25 @@ def _run_one(name: str, check: Check, ctx: VerifyContext, scheme: str) -> CheckR
         status, detail = out if isinstance(out, tuple) else (PASS, out)
     except CheckFailed as err:
         status, detail = FAIL, str(err)
-    except Exception as err:  # noqa: BLE001 - a crash is a failed check, reported in its row
+    except Exception as err:
         status, detail = FAIL, f"{type(err).__name__}: {err}"
     return CheckResult(name, scheme, status, detail, check.tolerance, time.perf_counter() - start)
 
 
-def _rows(name: str, check: Check, ctx: VerifyContext, names: list[str],
-          vllm: bool) -> list[CheckResult]:
+def _rows(
+    name: str, check: Check, ctx: VerifyContext, names: list[str], vllm: bool
+) -> list[CheckResult]:
     quantized = [s for s in names if get_scheme(s).is_quantized]
     if check.schemes != "one":
-        return [_run_one(name, check, ctx, s)
-                for s in (quantized if check.schemes == "quantized" else names)]
-    runnable = (s for s in ("int8", *quantized)
-                if s in names and scheme_unsupported_reason(s, ctx.device) is None)
+        return [
+            _run_one(name, check, ctx, s)
+            for s in (quantized if check.schemes == "quantized" else names)
+        ]
+    runnable = (
+        s
+        for s in ("int8", *quantized)
+        if s in names and scheme_unsupported_reason(s, ctx.device) is None
+    )
     scheme = next(runnable, names[0])
     if not vllm:
         return [CheckResult(name, scheme, SKIP, "disabled (--no-vllm)", check.tolerance)]
@@ -128,8 +141,10 @@ def run_verify(
     device = resolve_device(device)
     names = [get_scheme(s).name for s in (schemes or SCHEMES)]
     results: list[CheckResult] = []
-    with (tempfile.TemporaryDirectory(prefix="flashrl-verify-") as tmp,
-          torch.random.fork_rng(devices=[])):
+    with (
+        tempfile.TemporaryDirectory(prefix="flashrl-verify-") as tmp,
+        torch.random.fork_rng(devices=[]),
+    ):
         torch.manual_seed(0)
         ctx = VerifyContext(device=device, root=Path(tmp))
         for name, check in CHECKS.items():
@@ -140,27 +155,44 @@ def run_verify(
     return results
 
 
-def format_results(results: Sequence[CheckResult], device: torch.device | str,
-                   seconds: float) -> str:
+def format_results(
+    results: Sequence[CheckResult], device: torch.device | str, seconds: float
+) -> str:
     """The PASS/FAIL table and a one-line summary."""
-    rows = [{"check": r.check, "scheme": r.scheme, "status": r.status, "detail": r.detail,
-             "tolerance": r.tolerance, "s": f"{r.seconds:.2f}"} for r in results]
+    rows = [
+        {
+            "check": r.check,
+            "scheme": r.scheme,
+            "status": r.status,
+            "detail": r.detail,
+            "tolerance": r.tolerance,
+            "s": f"{r.seconds:.2f}",
+        }
+        for r in results
+    ]
     counts = {status: sum(r.status == status for r in results) for status in (PASS, FAIL, SKIP)}
     failed = [f"{r.check}[{r.scheme}]" for r in results if r.status == FAIL]
-    summary = (f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped on "
-               f"{device_name(device)} in {seconds:.1f} s")
+    summary = (
+        f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped on "
+        f"{device_name(device)} in {seconds:.1f} s"
+    )
     if failed:
         summary += f"; FAILED: {', '.join(failed)}"
     columns = ["check", "scheme", "status", "detail", "tolerance", "s"]
     return format_table(rows, columns) + "\n" + summary
 
 
-def results_json(results: Sequence[CheckResult], device: torch.device | str,
-                 seconds: float) -> dict[str, Any]:
+def results_json(
+    results: Sequence[CheckResult], device: torch.device | str, seconds: float
+) -> dict[str, Any]:
     """The JSON document `flashrl verify --out` writes."""
-    return {"device": str(device), "device_name": device_name(device), "seconds": seconds,
-            "passed": not any(r.status == FAIL for r in results),
-            "results": [asdict(r) for r in results]}
+    return {
+        "device": str(device),
+        "device_name": device_name(device),
+        "seconds": seconds,
+        "passed": not any(r.status == FAIL for r in results),
+        "results": [asdict(r) for r in results],
+    }
 
 
 def exit_code(results: Sequence[CheckResult]) -> int:

@@ -57,7 +57,9 @@ def check_gemm(ctx: VerifyContext, scheme: str) -> str:
     fp32_note = ""
     for m in (5, 40):  # 5 < 17 exercises the CUDA row padding of _int_mm
         x, w, b = _gemm_inputs(ctx.device, m, seed=m)
-        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=True, dtype=torch.bfloat16, device=ctx.device)
+        linear = torch.nn.Linear(
+            w.shape[1], w.shape[0], bias=True, dtype=torch.bfloat16, device=ctx.device
+        )
         with torch.no_grad():
             linear.weight.copy_(w)
             linear.bias.copy_(b)
@@ -69,8 +71,10 @@ def check_gemm(ctx: VerifyContext, scheme: str) -> str:
         bound = scale / 2 if s.code_dtype == torch.int8 else w64.abs() * 2.0**-4 + scale * 2.0**-9
         bound = bound + scale * 1e-4  # x / s is an fp32 division: its rounding is ~1e-5 code units
         if bool((err > bound).any()):
-            raise CheckFailed(f"quantizer: |W - deq(Q(W))| exceeds the round-to-nearest bound by "
-                              f"{float((err - bound).max()):.3g} (M={m})")
+            raise CheckFailed(
+                f"quantizer: |W - deq(Q(W))| exceeds the round-to-nearest bound by "
+                f"{float((err - bound).max()):.3g} (M={m})"
+            )
         for x_in in (x.float(), x.to(torch.bfloat16)):  # fp32 and bf16 activations (and outputs)
             xq, x_scale = primitives.quantize_activation(x_in, s)
             if s.code_dtype == torch.int8:
@@ -78,8 +82,10 @@ def check_gemm(ctx: VerifyContext, scheme: str) -> str:
                 exact = xq.cpu().to(torch.int64) @ layer.weight.cpu().to(torch.int64).t()
                 if acc.dtype != torch.int32 or not torch.equal(acc.cpu().to(torch.int64), exact):
                     diff = (acc.cpu().to(torch.int64) - exact).abs().max()
-                    raise CheckFailed(f"int8 accumulator differs from integer math (max |diff| "
-                                      f"{int(diff)}, M={m})")
+                    raise CheckFailed(
+                        f"int8 accumulator differs from integer math (max |diff| "
+                        f"{int(diff)}, M={m})"
+                    )
             ref = _dequantize_activation(xq, x_scale, s) @ w_deq.t() + b.double()
             try:
                 y = layer(x_in)
@@ -108,15 +114,27 @@ def _expand_weight_scale(layer, shape: tuple[int, int]) -> torch.Tensor:
     s = layer.scheme
     if s.weight_granularity == "block":
         bn, bk = s.block_size
-        return layer.weight_scale.double().repeat_interleave(bn, 0)[: shape[0]].repeat_interleave(bk, 1)[:, : shape[1]]
+        return (
+            layer.weight_scale.double()
+            .repeat_interleave(bn, 0)[: shape[0]]
+            .repeat_interleave(bk, 1)[:, : shape[1]]
+        )
     scale = layer.row_scale[:, None] if layer.row_scale is not None else layer.weight_scale
-    return scale.double().reshape(-1, 1).expand(shape) if scale.numel() > 1 else scale.double().reshape(1, 1).expand(shape)
+    return (
+        scale.double().reshape(-1, 1).expand(shape)
+        if scale.numel() > 1
+        else scale.double().reshape(1, 1).expand(shape)
+    )
 
 
 def _dequantize_activation(xq: torch.Tensor, x_scale: torch.Tensor, s: QuantScheme) -> torch.Tensor:
     if s.activation_granularity == "group":
         return xq.double() * x_scale.double().repeat_interleave(s.group_size, 1)[:, : xq.shape[1]]
-    return xq.double() * x_scale.double().reshape(-1, 1) if x_scale.numel() > 1 else xq.double() * x_scale.double()
+    return (
+        xq.double() * x_scale.double().reshape(-1, 1)
+        if x_scale.numel() > 1
+        else xq.double() * x_scale.double()
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -157,14 +175,18 @@ def check_reload(ctx: VerifyContext, scheme: str) -> str:
     mine, theirs = _tensors(engine.model), _tensors(fresh.model)
     for name, tensor in mine.items():
         other = theirs[name]
-        if tensor.dtype != other.dtype or not torch.equal(tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor,
-                                                          other.view(torch.uint8) if other.element_size() == 1 else other):
+        if tensor.dtype != other.dtype or not torch.equal(
+            tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor,
+            other.view(torch.uint8) if other.element_size() == 1 else other,
+        ):
             raise CheckFailed(f"{name} differs from a fresh load")
     moved = [n for n, t in mine.items() if t.data_ptr() != pointers[n]]
     if moved:
         raise CheckFailed(f"storage replaced instead of updated in place: {', '.join(moved[:3])}")
-    return (f"{len(groups)} update calls; logits and {len(mine)} tensors bit-equal to a fresh "
-            f"load; storage in place")
+    return (
+        f"{len(groups)} update calls; logits and {len(mine)} tensors bit-equal to a fresh "
+        f"load; storage in place"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -172,7 +194,9 @@ def check_reload(ctx: VerifyContext, scheme: str) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def processed_logprobs_fp64(logits: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def processed_logprobs_fp64(
+    logits: torch.Tensor, temperature: float, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 log-probabilities [T, V] of the processed distribution (temperature, then top-p with
     vLLM's rule: drop tokens whose ascending cumulative probability is <= 1 - top_p, keep the top
     token), written independently of the sampler; and a mask of tokens on the top-p boundary."""
@@ -206,9 +230,16 @@ def generate_recording(engine: Engine, prompts: list[list[int]]) -> tuple[list[A
 
     def observe(record: SampledTokens) -> None:
         for k, token in enumerate(record.tokens):
-            sampled.append(Sampled(record.prompt_index[k], record.sample_index[k], record.step[k],
-                                   record.logits[k].detach().float().cpu().clone(), int(token),
-                                   float(record.logprobs[k])))
+            sampled.append(
+                Sampled(
+                    record.prompt_index[k],
+                    record.sample_index[k],
+                    record.step[k],
+                    record.logits[k].detach().float().cpu().clone(),
+                    int(token),
+                    float(record.logprobs[k]),
+                )
+            )
 
     remove = engine.add_sample_observer(observe)
     try:
@@ -221,8 +252,15 @@ def generate_recording(engine: Engine, prompts: list[list[int]]) -> tuple[list[A
 def sampling_params() -> SamplingParams:
     # Stop tokens end sequences at different steps and max_batch=4 < 8 requests: slots are freed,
     # compacted and refilled mid-decode, so continuous batching is part of what is checked.
-    return SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=16, n=2, seed=1234, ignore_eos=True,
-                          stop_token_ids=tuple(range(3, 23)))
+    return SamplingParams(
+        temperature=TEMPERATURE,
+        top_p=TOP_P,
+        max_tokens=16,
+        n=2,
+        seed=1234,
+        ignore_eos=True,
+        stop_token_ids=tuple(range(3, 23)),
+    )
 
 
 def prompts() -> list[list[int]]:
@@ -234,19 +272,30 @@ def check_logprobs(ctx: VerifyContext, scheme: str) -> str:
     processed distribution from the fp32 logits the engine sampled from."""
     engine = ctx.engine("a", scheme)
     rollouts, sampled = generate_recording(engine, prompts())
-    returned = {(r.prompt_index, r.sample_index, t): lp for r in rollouts for t, lp in enumerate(r.logprobs)}
-    if len(returned) != len(sampled) or any(returned.get((x.prompt_index, x.sample_index, x.step)) != x.logprob
-                                            for x in sampled):
+    returned = {
+        (r.prompt_index, r.sample_index, t): lp for r in rollouts for t, lp in enumerate(r.logprobs)
+    }
+    if len(returned) != len(sampled) or any(
+        returned.get((x.prompt_index, x.sample_index, x.step)) != x.logprob for x in sampled
+    ):
         raise CheckFailed("the rollouts' logprobs are not the ones the sampler computed")
-    lp_ref, edge = processed_logprobs_fp64(torch.stack([x.logits for x in sampled]), TEMPERATURE, TOP_P)
+    lp_ref, edge = processed_logprobs_fp64(
+        torch.stack([x.logits for x in sampled]), TEMPERATURE, TOP_P
+    )
     tokens = torch.tensor([x.token for x in sampled])
     ref = lp_ref.gather(-1, tokens[:, None])[:, 0]
     on_edge = edge.gather(-1, tokens[:, None])[:, 0]
     outside = ~torch.isfinite(ref) & ~on_edge
     if bool(outside.any()):
-        raise CheckFailed(f"{int(outside.sum())} sampled token(s) lie outside the recomputed top-p support")
+        raise CheckFailed(
+            f"{int(outside.sum())} sampled token(s) lie outside the recomputed top-p support"
+        )
     keep = ~on_edge
-    worst = float((ref[keep] - torch.tensor([x.logprob for x in sampled], dtype=torch.float64)[keep]).abs().max())
+    worst = float(
+        (ref[keep] - torch.tensor([x.logprob for x in sampled], dtype=torch.float64)[keep])
+        .abs()
+        .max()
+    )
     detail = f"{int(keep.sum())} tokens, max |diff| {worst:.2g} nats"
     if bool(on_edge.any()):
         detail += f" ({int(on_edge.sum())} on the top-p edge not compared)"
@@ -261,9 +310,11 @@ def check_kv_cache(ctx: VerifyContext, scheme: str) -> str | tuple[str, str]:
     the sampled tokens (untruncated, so a top-p support change cannot jump the value)."""
     s = get_scheme(scheme)
     if s.activation_granularity == "tensor":
-        return SKIP, ("per-tensor activation scales span every token of a forward, so a "
-                      "full-sequence forward cannot reproduce decode batches (logprobs are exact "
-                      "for the batch that sampled: see logprobs)")
+        return SKIP, (
+            "per-tensor activation scales span every token of a forward, so a "
+            "full-sequence forward cannot reproduce decode batches (logprobs are exact "
+            "for the batch that sampled: see logprobs)"
+        )
     try:
         engine = ctx.engine("a", scheme, dtype="fp32")
         rollouts, sampled = generate_recording(engine, prompts())
@@ -272,12 +323,22 @@ def check_kv_cache(ctx: VerifyContext, scheme: str) -> str | tuple[str, str]:
             raise
         first = str(err).splitlines()[0][:80]
         return SKIP, f"fp32 activations are not supported by this GPU's fp8 kernel ({first})"
-    full = {(r.prompt_index, r.sample_index): engine.logits(r.prompt_ids + r.response_ids)[len(r.prompt_ids) - 1 :].cpu()
-            for r in rollouts}
+    full = {
+        (r.prompt_index, r.sample_index): engine.logits(r.prompt_ids + r.response_ids)[
+            len(r.prompt_ids) - 1 :
+        ].cpu()
+        for r in rollouts
+    }
     cached = torch.stack([x.logits for x in sampled]).double() / TEMPERATURE
-    nocache = torch.stack([full[(x.prompt_index, x.sample_index)][x.step] for x in sampled]).double() / TEMPERATURE
+    nocache = (
+        torch.stack([full[(x.prompt_index, x.sample_index)][x.step] for x in sampled]).double()
+        / TEMPERATURE
+    )
     tokens = torch.tensor([x.token for x in sampled])[:, None]
-    diff = (torch.log_softmax(cached, -1).gather(-1, tokens) - torch.log_softmax(nocache, -1).gather(-1, tokens)).abs()[:, 0]
+    diff = (
+        torch.log_softmax(cached, -1).gather(-1, tokens)
+        - torch.log_softmax(nocache, -1).gather(-1, tokens)
+    ).abs()[:, 0]
     worst, median = float(diff.max()), float(diff.median())
     detail = f"{len(sampled)} tokens, max |diff| {worst:.2g} nats, median {median:.2g}"
     ok = worst <= KV_MAX_TOL_QUANTIZED and median <= KV_TOL if s.is_quantized else worst <= KV_TOL

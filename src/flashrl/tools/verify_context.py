@@ -25,9 +25,16 @@ TOP_P_BOUNDARY = 1e-6
 """A token whose fp64 ascending cumulative probability lies within this of 1 - top_p is on the
 top-p boundary: fp32 and fp64 may legitimately disagree on its membership, so it is not compared."""
 TEMPERATURE, TOP_P = 0.7, 0.9
-TINY_MODEL = dict(family="qwen2", hidden_size=128, intermediate_size=384, num_attention_heads=4,
-                  num_key_value_heads=2, num_hidden_layers=2, vocab_size=256,
-                  initializer_range=0.1)
+TINY_MODEL = dict(
+    family="qwen2",
+    hidden_size=128,
+    intermediate_size=384,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    vocab_size=256,
+    initializer_range=0.1,
+)
 
 
 @dataclass
@@ -54,13 +61,22 @@ class VerifyContext:
         """Checkpoint "a" (seed 0) or "b" (seed 1): same shapes, unrelated weights."""
         if name not in self.checkpoints:
             overrides = {k: v for k, v in TINY_MODEL.items() if k != "family"}
-            self.checkpoints[name] = save_tiny_model(self.root / name, TINY_MODEL["family"],
-                                                     seed={"a": 0, "b": 1}[name], **overrides)
+            self.checkpoints[name] = save_tiny_model(
+                self.root / name, TINY_MODEL["family"], seed={"a": 0, "b": 1}[name], **overrides
+            )
         return self.checkpoints[name]
 
     def engine(self, name: str, scheme: str, dtype: str = "bf16") -> Engine:
-        return Engine(self.checkpoint(name), quant=RolloutConfig(quant=scheme), dtype=dtype,
-                      device=self.device, max_batch=4, max_len=64, seed=0, progress=False)
+        return Engine(
+            self.checkpoint(name),
+            quant=RolloutConfig(quant=scheme),
+            dtype=dtype,
+            device=self.device,
+            max_batch=4,
+            max_len=64,
+            seed=0,
+            progress=False,
+        )
 
 
 class CheckFailed(Exception):
@@ -77,19 +93,26 @@ def scheme_unsupported_reason(scheme: str | QuantScheme, device: torch.device | 
     major, minor = torch.cuda.get_device_capability(device)
     fp8_tensor_or_row = s.code_dtype == torch.float8_e4m3fn and s.weight_granularity != "block"
     if fp8_tensor_or_row and (major, minor) < (8, 9):
-        return (f"fp8 GEMMs (torch._scaled_mm) need compute capability 8.9+ (Ada/Hopper); this "
-                f"GPU is {major}.{minor}")
+        return (
+            f"fp8 GEMMs (torch._scaled_mm) need compute capability 8.9+ (Ada/Hopper); this "
+            f"GPU is {major}.{minor}"
+        )
     if s.code_dtype == torch.int8 and (major, minor) < (8, 0):
-        return (f"int8 GEMMs (torch._int_mm) need compute capability 8.0+; this GPU is "
-                f"{major}.{minor}")
+        return (
+            f"int8 GEMMs (torch._int_mm) need compute capability 8.0+; this GPU is {major}.{minor}"
+        )
     return None
 
 
 def fp32_fp8_unsupported(device: torch.device, s: QuantScheme, dtype: torch.dtype) -> bool:
     """fp32 output of a CUDA `torch._scaled_mm` (fp8, tensor or row scales) is refused by some
     GPU / cuBLAS combinations (the CUTLASS path allows bf16 output only): reported, not failed."""
-    return (device.type == "cuda" and dtype == torch.float32
-            and s.code_dtype == torch.float8_e4m3fn and s.weight_granularity != "block")
+    return (
+        device.type == "cuda"
+        and dtype == torch.float32
+        and s.code_dtype == torch.float8_e4m3fn
+        and s.weight_granularity != "block"
+    )
 
 
 def token_ids(seed: int, lengths: Sequence[int], vocab: int = 256) -> list[list[int]]:

@@ -39,21 +39,35 @@ def check_vllm(ctx: VerifyContext, scheme: str) -> str | tuple[str, str]:
 
     for name in ("a", "b"):
         save_char_tokenizer(ctx.checkpoint(name), vocab_size=TINY_MODEL["vocab_size"])
-    env = {**{k: os.environ.get(k, v) for k, v in TEST_ENV.items()}, "FLASHRL_CONFIG": None,
-           "FLASHRL_LMHEAD_FP32": None}
+    env = {
+        **{k: os.environ.get(k, v) for k, v in TEST_ENV.items()},
+        "FLASHRL_CONFIG": None,
+        "FLASHRL_LMHEAD_FP32": None,
+    }
     with _environ(env):
         import vllm
 
         from flashrl.vllm_backend import WeightSync, engine_kwargs
 
-        kwargs = dict(dtype="bfloat16", enforce_eager=True, max_model_len=64, seed=0, max_num_seqs=8,
-                      **engine_kwargs(scheme))
+        kwargs = dict(
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=64,
+            seed=0,
+            max_num_seqs=8,
+            **engine_kwargs(scheme),
+        )
         params = vllm.SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
-        prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=ids) for ids in token_ids(5, [3, 7, 12])]
+        prompts = [
+            vllm.inputs.TokensPrompt(prompt_token_ids=ids) for ids in token_ids(5, [3, 7, 12])
+        ]
 
         def outputs(llm) -> list[tuple[list[int], list[float]]]:
-            return [(list(c.token_ids), [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
-                    for out in llm.generate(prompts, params, use_tqdm=False) for c in out.outputs]
+            return [
+                (list(c.token_ids), [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
+                for out in llm.generate(prompts, params, use_tqdm=False)
+                for c in out.outputs
+            ]
 
         def shutdown(llm) -> None:
             llm.llm_engine.engine_core.shutdown()
@@ -71,10 +85,14 @@ def check_vllm(ctx: VerifyContext, scheme: str) -> str | tuple[str, str]:
         finally:
             shutdown(llm)
     if before == expected:
-        raise CheckFailed("checkpoints A and B give the same vLLM outputs: the check would prove "
-                          "nothing")
+        raise CheckFailed(
+            "checkpoints A and B give the same vLLM outputs: the check would prove nothing"
+        )
     if after != expected:
-        raise CheckFailed(f"{scheme}: greedy outputs after WeightSync.push differ from a fresh "
-                          f"vLLM engine")
-    return (f"vLLM {vllm.__version__}, {scheme}: greedy tokens and logprobs after push equal a "
-            f"fresh engine")
+        raise CheckFailed(
+            f"{scheme}: greedy outputs after WeightSync.push differ from a fresh vLLM engine"
+        )
+    return (
+        f"vLLM {vllm.__version__}, {scheme}: greedy tokens and logprobs after push equal a "
+        f"fresh engine"
+    )

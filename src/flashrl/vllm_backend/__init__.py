@@ -43,7 +43,10 @@ __all__ = [
     "rollout_config",
 ]
 
-_LAZY = {"VLLMBackend": "flashrl.vllm_backend.backend", "WeightSync": "flashrl.vllm_backend.weight_sync"}
+_LAZY = {
+    "VLLMBackend": "flashrl.vllm_backend.backend",
+    "WeightSync": "flashrl.vllm_backend.weight_sync",
+}
 
 
 def __getattr__(name: str):

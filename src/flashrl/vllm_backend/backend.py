@@ -53,18 +53,37 @@ class VLLMBackend:
         from flashrl.vllm_backend.weight_sync import WeightSync
 
         self.config = rollout_config(config)
-        kwargs = {**engine_kwargs(self.config), "dtype": _dtype_name(dtype), "seed": seed, **llm_kwargs}
+        kwargs = {
+            **engine_kwargs(self.config),
+            "dtype": _dtype_name(dtype),
+            "seed": seed,
+            **llm_kwargs,
+        }
         self.llm = LLM(str(model_dir), **kwargs)
         self.sync = WeightSync(self.llm)
         self._stats: dict[str, float] = dict.fromkeys(
-            ("generate_calls", "prompts", "sequences", "prompt_tokens", "generated_tokens", "generate_s",
-             "raw_logprob_s", "weight_updates", "sync_s", "transfer_s", "requant_s", "kv_calibration_s"),
+            (
+                "generate_calls",
+                "prompts",
+                "sequences",
+                "prompt_tokens",
+                "generated_tokens",
+                "generate_s",
+                "raw_logprob_s",
+                "weight_updates",
+                "sync_s",
+                "transfer_s",
+                "requant_s",
+                "kv_calibration_s",
+            ),
             0.0,
         )
 
     # ------------------------------------------------------------------ RolloutBackend
 
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
+    def generate(
+        self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Rollout]:
         """Sample `params.n` responses per prompt (text or token ids); prompt-major order.
 
         vLLM refuses ``n > 1`` with greedy sampling, so greedy requests are repeated instead.
@@ -74,7 +93,9 @@ class VLLMBackend:
             self._stats["kv_calibration_s"] += self.sync.calibrate_kv(self._token_ids(prompts))
         repeat = params.n if params.greedy else 1
         requests = [self._prompt(p) for p in prompts for _ in range(repeat)]
-        outputs = self.llm.generate(requests, self._vllm_params(params, params.n // repeat), use_tqdm=False)
+        outputs = self.llm.generate(
+            requests, self._vllm_params(params, params.n // repeat), use_tqdm=False
+        )
         rollouts: list[Rollout] = []
         for request_index, output in enumerate(outputs):
             prompt_ids = list(output.prompt_token_ids)
@@ -87,7 +108,9 @@ class VLLMBackend:
                 )
                 reason = completion.finish_reason
                 if reason not in FINISH_REASONS:
-                    raise RuntimeError(f"vLLM finished a request with reason {reason!r}; expected one of {FINISH_REASONS}")
+                    raise RuntimeError(
+                        f"vLLM finished a request with reason {reason!r}; expected one of {FINISH_REASONS}"
+                    )
                 rollouts.append(
                     Rollout(
                         prompt_ids=prompt_ids,
@@ -100,11 +123,15 @@ class VLLMBackend:
                     )
                 )
         self._stats["generate_s"] += time.perf_counter() - start
-        ordered = sorted(rollouts, key=lambda r: (r.sample_index, r.prompt_index))  # one sample per prompt first
+        ordered = sorted(
+            rollouts, key=lambda r: (r.sample_index, r.prompt_index)
+        )  # one sample per prompt first
         self.sync.remember_kv(r.prompt_ids + r.response_ids for r in ordered)
         if params.raw_logprobs:
             raw_start = time.perf_counter()
-            for rollout, raw in zip(rollouts, self.raw_logprobs([(r.prompt_ids, r.response_ids) for r in rollouts])):
+            for rollout, raw in zip(
+                rollouts, self.raw_logprobs([(r.prompt_ids, r.response_ids) for r in rollouts])
+            ):
                 rollout.raw_logprobs = raw
             self._stats["raw_logprob_s"] += time.perf_counter() - raw_start
         self._stats["generate_calls"] += 1
@@ -137,18 +164,22 @@ class VLLMBackend:
 
     # ------------------------------------------------------------------ extras
 
-    def raw_logprobs(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+    def raw_logprobs(
+        self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]
+    ) -> list[list[float]]:
         """Raw logprobs (log-softmax of the unprocessed logits) of each response after its prompt,
         from one prefill of prompt + response (vLLM's prompt logprobs)."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=[*p, *r]) for p, r in sequences]
-        params = VllmSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
+        params = VllmSamplingParams(
+            max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False
+        )
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         result = []
         for (prompt_ids, response_ids), output in zip(sequences, outputs):
-            steps = output.prompt_logprobs[len(prompt_ids):]
+            steps = output.prompt_logprobs[len(prompt_ids) :]
             result.append([step[token].logprob for step, token in zip(steps, response_ids)])
         return result
 
@@ -160,7 +191,7 @@ class VLLMBackend:
             engine_core.shutdown()
         self.llm = None
 
-    def __enter__(self) -> "VLLMBackend":
+    def __enter__(self) -> VLLMBackend:
         return self
 
     def __exit__(self, *exc: object) -> None:

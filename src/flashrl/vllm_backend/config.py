@@ -66,7 +66,9 @@ def engine_kwargs(scheme: str | RolloutConfig | None = None) -> dict[str, Any]:
         method = METHOD_NAMES[config.quant]
         kwargs["quantization"] = method
         if tuple(config.skip) != DEFAULT_SKIP:
-            kwargs["hf_overrides"] = {"quantization_config": {"quant_method": method, "skip": list(config.skip)}}
+            kwargs["hf_overrides"] = {
+                "quantization_config": {"quant_method": method, "skip": list(config.skip)}
+            }
     if config.kv_cache_dtype == "fp8" and config.kv_scale == "dynamic":
         import torch
 
@@ -103,7 +105,9 @@ def apply_env_config(engine_args: Any) -> list[str]:
     elif engine_args.quantization != method:
         logger.warning(
             "FLASHRL_CONFIG asks for %s but LLM(quantization=%r) was given explicitly; keeping %r",
-            method or "bf16", engine_args.quantization, engine_args.quantization,
+            method or "bf16",
+            engine_args.quantization,
+            engine_args.quantization,
         )
     if engine_args.logprobs_mode == "raw_logprobs" and wanted["logprobs_mode"] != "raw_logprobs":
         engine_args.logprobs_mode = wanted["logprobs_mode"]
@@ -111,7 +115,9 @@ def apply_env_config(engine_args: Any) -> list[str]:
     if engine_args.weight_transfer_config is None:
         from vllm.config import WeightTransferConfig
 
-        engine_args.weight_transfer_config = WeightTransferConfig(**wanted["weight_transfer_config"])
+        engine_args.weight_transfer_config = WeightTransferConfig(
+            **wanted["weight_transfer_config"]
+        )
         changed.append("weight_transfer_config")
     if not engine_args.worker_extension_cls:
         engine_args.worker_extension_cls = wanted["worker_extension_cls"]
@@ -129,11 +135,19 @@ def apply_env_config(engine_args: Any) -> list[str]:
         engine_args.kv_cache_dtype = wanted["kv_cache_dtype"]
         changed.append("kv_cache_dtype")
         if "additional_config" in wanted and isinstance(engine_args.additional_config, dict):
-            engine_args.additional_config = {**wanted["additional_config"], **engine_args.additional_config}
+            engine_args.additional_config = {
+                **wanted["additional_config"],
+                **engine_args.additional_config,
+            }
             changed.append("additional_config")
-            logger.warning("FLASHRL_CONFIG asks for an fp8 KV cache: flashrl's WeightSync / VLLMBackend set its scales "
-                           "at start-up and after each push; an engine whose weights are reloaded by other code runs "
-                           "with vLLM's default scales of 1.0")
+            logger.warning(
+                "FLASHRL_CONFIG asks for an fp8 KV cache: flashrl's WeightSync / VLLMBackend set its scales "
+                "at start-up and after each push; an engine whose weights are reloaded by other code runs "
+                "with vLLM's default scales of 1.0"
+            )
     if changed:
-        logger.info("FLASHRL_CONFIG set %s", ", ".join(f"{name}={getattr(engine_args, name)!r}" for name in changed))
+        logger.info(
+            "FLASHRL_CONFIG set %s",
+            ", ".join(f"{name}={getattr(engine_args, name)!r}" for name in changed),
+        )
     return changed

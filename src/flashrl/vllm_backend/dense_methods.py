@@ -49,12 +49,20 @@ class FlashRLEmbeddingMethod(UnquantizedEmbeddingMethod):
         super().process_weights_after_loading(layer)
         layer.flashrl_packed_loads = _embedding_loads[0]
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         direct_load.on_step()
-        if current_platform.is_cpu() and getattr(layer, "flashrl_packed_loads", None) != _embedding_loads[0]:
+        if (
+            current_platform.is_cpu()
+            and getattr(layer, "flashrl_packed_loads", None) != _embedding_loads[0]
+        ):
             super().process_weights_after_loading(layer)
             layer.flashrl_packed_loads = _embedding_loads[0]
-            logger.info("%s: repacked the CPU LM-head kernel after a weight load", getattr(layer, "prefix", "lm_head"))
+            logger.info(
+                "%s: repacked the CPU LM-head kernel after a weight load",
+                getattr(layer, "prefix", "lm_head"),
+            )
         return super().apply(layer, x, bias)
 
 
@@ -66,14 +74,20 @@ class FlashRLDenseLinearMethod(UnquantizedLinearMethod):
 
     def create_weights(self, layer: torch.nn.Module, *args: Any, **extra_weight_attrs: Any) -> None:
         vllm_loader = extra_weight_attrs.pop("weight_loader")
-        super().create_weights(layer, *args, weight_loader=direct_load.make_checked_loader(layer, vllm_loader),
-                               **extra_weight_attrs)
+        super().create_weights(
+            layer,
+            *args,
+            weight_loader=direct_load.make_checked_loader(layer, vllm_loader),
+            **extra_weight_attrs,
+        )
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if not current_platform.is_cpu():
             super().process_weights_after_loading(layer)
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if current_platform.is_cpu():
             return torch.nn.functional.linear(x, layer.weight, bias)
         return super().apply(layer, x, bias)

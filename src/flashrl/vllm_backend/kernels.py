@@ -34,11 +34,17 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-W8A16_KERNELS = frozenset({"MarlinFP8ScaledMMLinearKernel", "CPUFp8PerTensorScaledMMLinearKernel",
-                           "CPUFp8BlockScaledMMKernel", "XPUW8A16FP8LinearKernel"})
+W8A16_KERNELS = frozenset(
+    {
+        "MarlinFP8ScaledMMLinearKernel",
+        "CPUFp8PerTensorScaledMMLinearKernel",
+        "CPUFp8BlockScaledMMKernel",
+        "XPUW8A16FP8LinearKernel",
+    }
+)
 """vLLM kernels that keep activations in high precision: not the scheme flashrl promises."""
 
-_states: dict[int, "KernelState"] = {}
+_states: dict[int, KernelState] = {}
 _ids = itertools.count()
 _logged: set[tuple[str, str]] = set()
 
@@ -59,8 +65,12 @@ def _new_kernel(scheme: str, layer: torch.nn.Module, dtype: torch.dtype) -> Any:
     from vllm.model_executor.layers.quantization.utils import quant_utils as qu
 
     if scheme == "int8":
-        return init_int8_linear_kernel(is_channelwise=True, is_static_input_scheme=False, input_symmetric=True,
-                                       module_name="flashrl_int8")
+        return init_int8_linear_kernel(
+            is_channelwise=True,
+            is_static_input_scheme=False,
+            input_symmetric=True,
+            module_name="flashrl_int8",
+        )
     shape = (layer.output_size_per_partition, layer.input_size_per_partition)
     if scheme == "fp8_channel":
         keys = (qu.kFp8DynamicTokenSym, qu.kFp8StaticChannelSym)
@@ -68,13 +78,20 @@ def _new_kernel(scheme: str, layer: torch.nn.Module, dtype: torch.dtype) -> Any:
         keys = (qu.kFp8DynamicTensorSym, qu.kFp8StaticChannelSym)
     elif scheme == "fp8_block":
         if any(n % 128 for n in layer.logical_widths) or layer.input_size_per_partition % 128:
-            raise ValueError("a shard or the input size is not a multiple of 128 (flashrl keeps one block grid per "
-                             "shard; vLLM's block kernels tile the fused weight)")
+            raise ValueError(
+                "a shard or the input size is not a multiple of 128 (flashrl keeps one block grid per "
+                "shard; vLLM's block kernels tile the fused weight)"
+            )
         keys = (qu.kFp8Dynamic128Sym, qu.kFp8Static128BlockSym)
     else:
         raise ValueError(f"no vLLM kernel mapping for scheme {scheme!r}")
-    return init_fp8_linear_kernel(activation_quant_key=keys[0], weight_quant_key=keys[1], input_dtype=dtype,
-                                  out_dtype=dtype, weight_shape=shape)
+    return init_fp8_linear_kernel(
+        activation_quant_key=keys[0],
+        weight_quant_key=keys[1],
+        input_dtype=dtype,
+        out_dtype=dtype,
+        weight_shape=shape,
+    )
 
 
 @dataclass
@@ -92,9 +109,14 @@ class KernelState:
         shadow.output_size_per_partition = layer.output_size_per_partition
         codes = layer.weight.data
         scale = layer.weight_scale.data
-        if self.scheme == "fp8":  # one scale per shard, expanded per row: a per-channel weight scale
-            scale = layer.row_scale.data[:, None] if getattr(layer, "row_scale", None) is not None \
+        if (
+            self.scheme == "fp8"
+        ):  # one scale per shard, expanded per row: a per-channel weight scale
+            scale = (
+                layer.row_scale.data[:, None]
+                if getattr(layer, "row_scale", None) is not None
                 else scale.reshape(1, 1).expand(codes.shape[0], 1).contiguous()
+            )
         # vLLM's int8 kernels take [N, K] and transpose themselves; its fp8 kernels take [K, N].
         weight = codes if self.scheme == "int8" else codes.t()
         shadow.weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -118,7 +140,11 @@ class KernelState:
             return
         for name, tensor in fresh.named_parameters(recurse=False):
             old = getattr(self.shadow, name, None)
-            if isinstance(old, torch.Tensor) and old.shape == tensor.shape and old.dtype == tensor.dtype:
+            if (
+                isinstance(old, torch.Tensor)
+                and old.shape == tensor.shape
+                and old.dtype == tensor.dtype
+            ):
                 if old.data_ptr() != tensor.data_ptr():
                     old.data.copy_(tensor)
             else:
@@ -141,11 +167,15 @@ def _probe_error(state: KernelState, scheme: str, layer: Any, dtype: torch.dtype
     from flashrl.quant.schemes import get_scheme
 
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, layer.input_size_per_partition, generator=gen).to(dtype=dtype, device=layer.weight.device)
+    x = torch.randn(5, layer.input_size_per_partition, generator=gen).to(
+        dtype=dtype, device=layer.weight.device
+    )
     out = state.apply(x, None)
     row_scale = getattr(layer, "row_scale", None)
     scale = row_scale if row_scale is not None else layer.weight_scale
-    ref = scaled_linear(x, layer.weight, scale, get_scheme(scheme), None, dtype, tuple(layer.logical_widths))
+    ref = scaled_linear(
+        x, layer.weight, scale, get_scheme(scheme), None, dtype, tuple(layer.logical_widths)
+    )
     if tuple(out.shape) != tuple(ref.shape):
         raise RuntimeError(f"probe output shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
     ref = ref.double()
@@ -158,22 +188,33 @@ def attach_kernel(scheme: str, layer: torch.nn.Module, dtype: torch.dtype) -> in
     try:
         kernel = _new_kernel(scheme, layer, dtype)
     except (ValueError, NotImplementedError, ImportError) as err:
-        _log_choice(scheme, "flashrl's scaled-mm op", f"vLLM has no kernel here: {str(err).splitlines()[0]}")
+        _log_choice(
+            scheme, "flashrl's scaled-mm op", f"vLLM has no kernel here: {str(err).splitlines()[0]}"
+        )
         return -1
     name = type(kernel).__name__
     if name in W8A16_KERNELS or getattr(kernel, "apply_input_quant", True) is False:
-        _log_choice(scheme, "flashrl's scaled-mm op", f"vLLM's {name} keeps activations in high precision")
+        _log_choice(
+            scheme, "flashrl's scaled-mm op", f"vLLM's {name} keeps activations in high precision"
+        )
         return -1
     state = KernelState(kernel, scheme)
     try:
         state.refresh(layer)
         error = _probe_error(state, scheme, layer, dtype)
     except Exception as err:  # a kernel vLLM selects but cannot run here (e.g. a CPU stub op)
-        _log_choice(scheme, "flashrl's scaled-mm op", f"vLLM's {name} failed a probe: {str(err).splitlines()[0]}")
+        _log_choice(
+            scheme,
+            "flashrl's scaled-mm op",
+            f"vLLM's {name} failed a probe: {str(err).splitlines()[0]}",
+        )
         return -1
     if error > PROBE_TOLERANCE:
-        _log_choice(scheme, "flashrl's scaled-mm op",
-                    f"vLLM's {name} disagrees with the scheme's math (relative error {error:.3g} on a probe)")
+        _log_choice(
+            scheme,
+            "flashrl's scaled-mm op",
+            f"vLLM's {name} disagrees with the scheme's math (relative error {error:.3g} on a probe)",
+        )
         return -1
     _log_choice(scheme, f"vLLM's {name}")
     kernel_id = next(_ids)

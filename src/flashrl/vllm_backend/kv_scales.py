@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from flashrl.model.config import ModelConfig
 from flashrl.model.kv_calibration import (
     KVScales,
     RecentSequences,
@@ -40,7 +41,6 @@ from flashrl.model.kv_calibration import (
     checkpoint_getter,
     fallback_sequences,
 )
-from flashrl.model.config import ModelConfig
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.vllm_backend.config import ADDITIONAL_CONFIG_KEY
 
@@ -61,22 +61,33 @@ class KVScaleSync:
     def __init__(self, llm: Any, kv_scale: str | float | None = None) -> None:
         vllm_config = llm.llm_engine.vllm_config
         cache_dtype = vllm_config.cache_config.cache_dtype
-        additional = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+        additional = (
+            vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+        )
         self.llm = llm
         self.mode: str | float | None = None
         if cache_dtype in STATIC_FP8_CACHE_DTYPES:
-            self.mode = _check_mode(kv_scale if kv_scale is not None else additional.get(ADDITIONAL_CONFIG_KEY, "calibrated"))
+            self.mode = _check_mode(
+                kv_scale
+                if kv_scale is not None
+                else additional.get(ADDITIONAL_CONFIG_KEY, "calibrated")
+            )
         elif kv_scale is not None:
-            raise ValueError(f"kv_scale={kv_scale!r} needs an engine with kv_cache_dtype='fp8'; this one has "
-                             f"kv_cache_dtype={cache_dtype!r} (build it with engine_kwargs(...) of an fp8-KV config)")
+            raise ValueError(
+                f"kv_scale={kv_scale!r} needs an engine with kv_cache_dtype='fp8'; this one has "
+                f"kv_cache_dtype={cache_dtype!r} (build it with engine_kwargs(...) of an fp8-KV config)"
+            )
         model_config = vllm_config.model_config
         self.model_dir = Path(model_config.model)
         self.dtype = model_config.dtype
         quant = vllm_config.quant_config
         self.scheme = getattr(quant, "scheme_name", "") or "bf16"
         self.skip = tuple(getattr(quant, "skip", DEFAULT_SKIP))
-        self.config = (ModelConfig.from_dict(model_config.hf_config.to_dict(), source=str(self.model_dir))
-                       if self.calibrated else None)
+        self.config = (
+            ModelConfig.from_dict(model_config.hf_config.to_dict(), source=str(self.model_dir))
+            if self.calibrated
+            else None
+        )
         self.recent = RecentSequences()
         self.scales: KVScales | None = None
         self.from_fallback = False
@@ -110,12 +121,16 @@ class KVScaleSync:
         if self.mode is None:
             return 0.0
         if self.calibrated and self.load_format == "dummy":
-            logger.info("load_format='dummy': fp8 KV scales stay at 1.0 until the first WeightSync.push")
+            logger.info(
+                "load_format='dummy': fp8 KV scales stay at 1.0 until the first WeightSync.push"
+            )
             return 0.0
         return self.apply(checkpoint_getter(self.model_dir) if self.calibrated else None)
 
     def apply(
-        self, get_tensor: Callable[[str], torch.Tensor] | None, device: torch.device | str | None = None,
+        self,
+        get_tensor: Callable[[str], torch.Tensor] | None,
+        device: torch.device | str | None = None,
         sequences: Sequence[Sequence[int]] | None = None,
     ) -> float:
         """Calibrate from `get_tensor` (mode ``calibrated``) or take the fixed value, then set the
@@ -131,15 +146,31 @@ class KVScaleSync:
             if not seqs:
                 seqs = fallback_sequences(self.config.vocab_size)
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            self.scales = calibrate_from_weights(get_tensor, self.config, seqs, self.scheme, self.skip, self.dtype,
-                                                 device, include_q=True)
-            k, v, q = self.scales.k[:, 0].tolist(), self.scales.v[:, 0].tolist(), self.scales.q.tolist()
+            self.scales = calibrate_from_weights(
+                get_tensor,
+                self.config,
+                seqs,
+                self.scheme,
+                self.skip,
+                self.dtype,
+                device,
+                include_q=True,
+            )
+            k, v, q = (
+                self.scales.k[:, 0].tolist(),
+                self.scales.v[:, 0].tolist(),
+                self.scales.q.tolist(),
+            )
             counts = self.llm.collective_rpc("flashrl_set_kv_scales", args=(k, v, q))
             if any(c != self.config.num_layers for c in counts):
-                raise RuntimeError(f"set KV scales on {counts} attention layers per worker; the model has "
-                                   f"{self.config.num_layers}")
+                raise RuntimeError(
+                    f"set KV scales on {counts} attention layers per worker; the model has "
+                    f"{self.config.num_layers}"
+                )
         else:
-            self.llm.collective_rpc("flashrl_set_kv_scales", args=(float(self.mode), float(self.mode), None))
+            self.llm.collective_rpc(
+                "flashrl_set_kv_scales", args=(float(self.mode), float(self.mode), None)
+            )
         return time.perf_counter() - start
 
     def summary(self) -> dict[str, float]:
@@ -150,8 +181,10 @@ def _check_mode(value: Any) -> str | float:
     if value == "calibrated":
         return value
     if value == "dynamic":
-        raise ValueError("kv_scale='dynamic' uses vLLM's fp8_per_token_head cache (no static scales); build the engine "
-                         "with engine_kwargs(...) of that config instead of kv_cache_dtype='fp8'")
+        raise ValueError(
+            "kv_scale='dynamic' uses vLLM's fp8_per_token_head cache (no static scales); build the engine "
+            "with engine_kwargs(...) of that config instead of kv_cache_dtype='fp8'"
+        )
     try:
         scale = float(value)
     except (TypeError, ValueError):
@@ -162,7 +195,9 @@ def _check_mode(value: Any) -> str | float:
 
 
 def set_attention_kv_scales(
-    model: torch.nn.Module, k_scales: Sequence[float] | float, v_scales: Sequence[float] | float,
+    model: torch.nn.Module,
+    k_scales: Sequence[float] | float,
+    v_scales: Sequence[float] | float,
     q_scales: Sequence[float] | float | None = None,
 ) -> int:
     """Write scales (one per decoder layer, or one float for all) into every vLLM ``Attention``
@@ -175,8 +210,12 @@ def set_attention_kv_scales(
                 continue
             value = float(values) if isinstance(values, (int, float)) else float(values[index])
             if not value > 0 or value == float("inf"):
-                raise ValueError(f"{name}_scale of layer {index} must be finite and positive, got {value}")
-            value = float(torch.tensor(value, dtype=torch.float32))  # host copy == the fp32 device scale
+                raise ValueError(
+                    f"{name}_scale of layer {index} must be finite and positive, got {value}"
+                )
+            value = float(
+                torch.tensor(value, dtype=torch.float32)
+            )  # host copy == the fp32 device scale
             getattr(attn, f"_{name}_scale").fill_(value)
             setattr(attn, f"_{name}_scale_float", value)
             host = getattr(attn, f"_{name}_scale_cpu", None)
@@ -195,5 +234,9 @@ def attention_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.models.utils import extract_layer_index
 
-    found = [(extract_layer_index(name), module) for name, module in model.named_modules() if isinstance(module, Attention)]
+    found = [
+        (extract_layer_index(name), module)
+        for name, module in model.named_modules()
+        if isinstance(module, Attention)
+    ]
     return sorted(found, key=lambda pair: pair[0])

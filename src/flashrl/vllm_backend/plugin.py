@@ -45,6 +45,7 @@ def register() -> None:
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from flashrl.vllm_backend.quant_methods import CONFIG_CLASSES
+
     for config_cls in CONFIG_CLASSES:
         register_quantization_config(config_cls.method_name())(config_cls)
     try:
@@ -60,8 +61,12 @@ def register() -> None:
 
         configure_logging()
         install_env_hook()
-        logger.info("flashrl plugin registered in process %d with FLASHRL_CONFIG=%s (vLLM %s)",
-                    os.getpid(), os.environ["FLASHRL_CONFIG"], vllm.__version__)
+        logger.info(
+            "flashrl plugin registered in process %d with FLASHRL_CONFIG=%s (vLLM %s)",
+            os.getpid(),
+            os.environ["FLASHRL_CONFIG"],
+            vllm.__version__,
+        )
     _registered = True
 
 

@@ -32,9 +32,12 @@ from typing import Any, ClassVar
 
 import torch
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
-from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
+from vllm.model_executor.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import replace_parameter, set_weight_attrs
 from vllm.platforms import current_platform
@@ -45,7 +48,12 @@ from flashrl.quant.linear import DEFAULT_SKIP, QuantLinear, matches_any
 from flashrl.quant.schemes import get_scheme
 from flashrl.vllm_backend import direct_load, kernels
 from flashrl.vllm_backend.dense_methods import FlashRLDenseLinearMethod, FlashRLEmbeddingMethod
-from flashrl.vllm_backend.direct_load import PROCESSED_FLAG, clear_staging, make_bias_loader, make_weight_loader
+from flashrl.vllm_backend.direct_load import (
+    PROCESSED_FLAG,
+    clear_staging,
+    make_bias_loader,
+    make_weight_loader,
+)
 from flashrl.vllm_backend.names import METHOD_NAMES
 
 logger = logging.getLogger(__name__)
@@ -128,7 +136,12 @@ class FlashRLLinearMethod(LinearMethodBase):
         out_features = sum(output_partition_sizes)
         prefix = getattr(layer, "prefix", "") or type(layer).__name__
         try:
-            check_gemm_shape(self.scheme, input_size_per_partition, out_features, torch.device(current_platform.device_type))
+            check_gemm_shape(
+                self.scheme,
+                input_size_per_partition,
+                out_features,
+                torch.device(current_platform.device_type),
+            )
         except ValueError as err:
             raise ValueError(f"{prefix}: {err}") from None
         layer.logical_widths = list(output_partition_sizes)
@@ -138,10 +151,14 @@ class FlashRLLinearMethod(LinearMethodBase):
         layer.flashrl_params_dtype = params_dtype
         layer.flashrl_vllm_loader = vllm_loader
         weight = ModelWeightParameter(
-            data=torch.empty(out_features, input_size_per_partition, dtype=params_dtype, device="meta"),
+            data=torch.empty(
+                out_features, input_size_per_partition, dtype=params_dtype, device="meta"
+            ),
             input_dim=1,
             output_dim=0,
-            weight_loader=make_weight_loader(layer, vllm_loader, self._staging_weight, self._requantize_in_place),
+            weight_loader=make_weight_loader(
+                layer, vllm_loader, self._staging_weight, self._requantize_in_place
+            ),
         )
         layer.register_parameter("weight", weight)
         set_weight_attrs(weight, extra_weight_attrs)
@@ -173,7 +190,7 @@ class FlashRLLinearMethod(LinearMethodBase):
             replace_parameter(layer, "row_scale", quantized.row_scale)
         bias = getattr(layer, "bias", None)
         if isinstance(bias, torch.nn.Parameter) and not getattr(bias, "flashrl_loader", False):
-            bias.weight_loader = make_bias_loader(layer, getattr(bias, "weight_loader"))
+            bias.weight_loader = make_bias_loader(layer, bias.weight_loader)
             bias.flashrl_loader = True
         self._bind_kernel(layer)
         setattr(layer, _PROCESSED_FLAG, True)
@@ -206,20 +223,30 @@ class FlashRLLinearMethod(LinearMethodBase):
                 if name in persistent and current is not None and persistent[name] is not current:
                     persistent[name].data.copy_(current)
             source = SimpleNamespace(
-                weight=persistent["weight"], weight_scale=persistent["weight_scale"],
-                row_scale=persistent.get("row_scale"), bias=persistent.get("bias"),
-                logical_widths=layer.logical_widths, input_size_per_partition=layer.input_size_per_partition,
-                output_size_per_partition=layer.output_size_per_partition)
+                weight=persistent["weight"],
+                weight_scale=persistent["weight_scale"],
+                row_scale=persistent.get("row_scale"),
+                bias=persistent.get("bias"),
+                logical_widths=layer.logical_widths,
+                input_size_per_partition=layer.input_size_per_partition,
+                output_size_per_partition=layer.output_size_per_partition,
+            )
         if not hasattr(layer, "flashrl_kernel_id"):
-            layer.flashrl_kernel_id = kernels.attach_kernel(self.scheme.name, source, layer.flashrl_params_dtype)
+            layer.flashrl_kernel_id = kernels.attach_kernel(
+                self.scheme.name, source, layer.flashrl_params_dtype
+            )
         else:
             kernels.refresh_kernel(layer.flashrl_kernel_id, source)
 
     def _staging_weight(self, layer: torch.nn.Module) -> torch.Tensor:
         """An empty checkpoint-format weight for `direct_load` to stage shards in (vLLM's loader fills it)."""
         return ModelWeightParameter(
-            data=torch.empty(layer.output_size_per_partition, layer.input_size_per_partition,
-                             dtype=layer.flashrl_params_dtype, device=layer.weight.device),
+            data=torch.empty(
+                layer.output_size_per_partition,
+                layer.input_size_per_partition,
+                dtype=layer.flashrl_params_dtype,
+                device=layer.weight.device,
+            ),
             input_dim=1,
             output_dim=0,
             weight_loader=layer.flashrl_vllm_loader,
@@ -229,8 +256,14 @@ class FlashRLLinearMethod(LinearMethodBase):
     def _requantize_in_place(self, layer: torch.nn.Module, weight: torch.Tensor) -> None:
         """Quantize a complete checkpoint-format `weight` into the layer's existing code and scale
         storages (same bits as `process_weights_after_loading`: both run `QuantLinear.requantize_`)."""
-        view = QuantLinear(layer.input_size_per_partition, layer.output_size_per_partition, self.scheme,
-                           shard_sizes=layer.logical_widths, dtype=weight.dtype, device="meta")
+        view = QuantLinear(
+            layer.input_size_per_partition,
+            layer.output_size_per_partition,
+            self.scheme,
+            shard_sizes=layer.logical_widths,
+            dtype=weight.dtype,
+            device="meta",
+        )
         view.weight = layer.weight.data
         view.weight_scale = layer.weight_scale.data
         if view.row_scale is not None:
@@ -240,12 +273,21 @@ class FlashRLLinearMethod(LinearMethodBase):
         kernels.refresh_kernel(getattr(layer, "flashrl_kernel_id", -1), layer)
         self._record_quantization(layer.weight.device, start)
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         scale = getattr(layer, "row_scale", None)
         if scale is None:
             scale = layer.weight_scale
-        return flashrl_scaled_linear(x, layer.weight, scale, bias, self.scheme.name, layer.logical_widths,
-                                     getattr(layer, "flashrl_kernel_id", -1))
+        return flashrl_scaled_linear(
+            x,
+            layer.weight,
+            scale,
+            bias,
+            self.scheme.name,
+            layer.logical_widths,
+            getattr(layer, "flashrl_kernel_id", -1),
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -294,14 +336,18 @@ class FlashRLQuantConfig(QuantizationConfig):
         return []
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "FlashRLQuantConfig":
+    def from_config(cls, config: dict[str, Any]) -> FlashRLQuantConfig:
         """From a ``quantization_config`` mapping such as ``{"quant_method": "flashrl_int8", "skip": [...]}``."""
         method = config.get("quant_method", cls.method_name())
         if method != cls.method_name():
-            raise ValueError(f"{cls.__name__} got quant_method={method!r}; expected {cls.method_name()!r}")
+            raise ValueError(
+                f"{cls.__name__} got quant_method={method!r}; expected {cls.method_name()!r}"
+            )
         unknown = sorted(set(config) - {"quant_method", "skip"})
         if unknown:
-            raise ValueError(f"unknown key(s) {', '.join(unknown)} in the {method} quantization_config; allowed: skip")
+            raise ValueError(
+                f"unknown key(s) {', '.join(unknown)} in the {method} quantization_config; allowed: skip"
+            )
         return cls(skip=config.get("skip", DEFAULT_SKIP))
 
     def is_skipped(self, prefix: str) -> bool:
@@ -335,7 +381,9 @@ class FlashRLQuantConfig(QuantizationConfig):
 
         if isinstance(layer, RoutedExperts):
             if not self._warned_moe:
-                logger.warning("%s keeps MoE experts in high precision (not quantized yet)", self.get_name())
+                logger.warning(
+                    "%s keeps MoE experts in high precision (not quantized yet)", self.get_name()
+                )
                 self._warned_moe = True
         # Attention (no KV-cache scales) and experts: vLLM's unquantized path.
         return None

@@ -28,7 +28,11 @@ def save_char_tokenizer(path: str | Path, vocab_size: int = 256) -> Path:
 
 
 def save_tiny_vllm_model(
-    path: str | Path, family: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+    path: str | Path,
+    family: str = "qwen3",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
 ) -> Path:
     """`flashrl.testing.save_tiny_model` plus the character tokenizer, in one directory.
 
@@ -63,7 +67,9 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def save_perturbed_copy(src: str | Path, dst: str | Path, scale: float = 0.05, seed: int = 1) -> Path:
+def save_perturbed_copy(
+    src: str | Path, dst: str | Path, scale: float = 0.05, seed: int = 1
+) -> Path:
     """Copy the checkpoint (and tokenizer) at `src` to `dst` with Gaussian noise of std
     ``scale * std(parameter)`` added to every parameter: a stand-in for a trained policy."""
     import transformers
@@ -72,7 +78,10 @@ def save_perturbed_copy(src: str | Path, dst: str | Path, scale: float = 0.05, s
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * (scale * float(p.std()) if p.numel() > 1 else scale))
+            p.add_(
+                torch.randn(p.shape, generator=gen)
+                * (scale * float(p.std()) if p.numel() > 1 else scale)
+            )
     model.save_pretrained(dst)
     transformers.AutoTokenizer.from_pretrained(src).save_pretrained(dst)
     return Path(dst)
@@ -114,12 +123,25 @@ def save_compressed_tensors_int8(src: str | Path, dst: str | Path) -> Path:
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
         "format": "int-quantized",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
-                                  "dynamic": True},
-        }},
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 8,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "channel",
+                    "dynamic": False,
+                },
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "token",
+                    "dynamic": True,
+                },
+            }
+        },
         "ignore": ["lm_head"],
     }
     (tmp / "config.json").write_text(json.dumps(config))

@@ -29,7 +29,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+from vllm.model_executor.model_loader.reload import (
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+)
 
 
 @dataclass
@@ -49,10 +52,14 @@ class FlashRLTransferUpdateInfo(WeightTransferUpdateInfo):
         if (self.tensors is None) == (self.path is None):
             raise ValueError("flashrl update_info needs exactly one of `tensors` or `path`")
         if self.tensors is not None and len(self.tensors) != len(self.names):
-            raise ValueError(f"flashrl update_info has {len(self.names)} names but {len(self.tensors)} tensors")
+            raise ValueError(
+                f"flashrl update_info has {len(self.names)} names but {len(self.tensors)} tensors"
+            )
 
 
-class FlashRLWeightTransferEngine(WeightTransferEngine[FlashRLTransferInitInfo, FlashRLTransferUpdateInfo]):
+class FlashRLWeightTransferEngine(
+    WeightTransferEngine[FlashRLTransferInitInfo, FlashRLTransferUpdateInfo]
+):
     """Loads checkpoint-format chunks through vLLM's layerwise reload (re-quantizing every layer)."""
 
     init_info_cls = FlashRLTransferInitInfo
@@ -145,11 +152,17 @@ class FlashRLWorkerExtension:
         from vllm.model_executor.layers.linear import LinearBase
 
         model = self.model_runner.get_model()
-        return {name: type(module.quant_method).__name__ for name, module in model.named_modules()
-                if isinstance(module, LinearBase)}
+        return {
+            name: type(module.quant_method).__name__
+            for name, module in model.named_modules()
+            if isinstance(module, LinearBase)
+        }
 
     def flashrl_set_kv_scales(
-        self, k_scales: list[float] | float, v_scales: list[float] | float, q_scales: list[float] | float | None = None
+        self,
+        k_scales: list[float] | float,
+        v_scales: list[float] | float,
+        q_scales: list[float] | float | None = None,
     ) -> int:
         """Set the FP8 KV-cache scales of every attention layer (one value per decoder layer, or one
         for all), in place; returns how many layers were set. vLLM resets hand-set scales to 1.0 on
@@ -163,9 +176,17 @@ class FlashRLWorkerExtension:
         and the host float, which must agree)."""
         from flashrl.vllm_backend.kv_scales import attention_layers
 
-        return [{"layer": index, "k": float(attn._k_scale), "v": float(attn._v_scale), "q": float(attn._q_scale),
-                 "k_float": attn._k_scale_float, "v_float": attn._v_scale_float}
-                for index, attn in attention_layers(self.model_runner.get_model())]
+        return [
+            {
+                "layer": index,
+                "k": float(attn._k_scale),
+                "v": float(attn._v_scale),
+                "q": float(attn._q_scale),
+                "k_float": attn._k_scale_float,
+                "v_float": attn._v_scale_float,
+            }
+            for index, attn in attention_layers(self.model_runner.get_model())
+        ]
 
     def flashrl_load_stats(self, reset: bool = False) -> dict[str, float]:
         """Direct ``load_weights`` counters of this worker (`flashrl.vllm_backend.direct_load.load_stats`):
@@ -180,8 +201,11 @@ class FlashRLWorkerExtension:
         from flashrl.vllm_backend.kernels import kernel_name
 
         model = self.model_runner.get_model()
-        return {name: kernel_name(module.flashrl_kernel_id) for name, module in model.named_modules()
-                if hasattr(module, "flashrl_kernel_id")}
+        return {
+            name: kernel_name(module.flashrl_kernel_id)
+            for name, module in model.named_modules()
+            if hasattr(module, "flashrl_kernel_id")
+        }
 
     def flashrl_pop_requant_stats(self) -> dict[str, float]:
         """Seconds spent re-quantizing and layers re-quantized since the last call (then reset)."""

@@ -41,7 +41,10 @@ from flashrl.vllm_backend.names import TRANSFER_BACKEND
 
 logger = logging.getLogger(__name__)
 
-FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+FUSED_GROUPS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+)
 """Checkpoint module names that vLLM loads into one fused layer (with `output_partition_sizes`)."""
 
 TRANSPORTS = ("auto", "tensors", "file")
@@ -75,7 +78,10 @@ def group_by_layer(items: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str
     by_name = dict(items)
     if len(by_name) != len(items):
         raise ValueError("duplicate parameter names in the weights to push")
-    return [[(name, by_name[name]) for name in group] for group in layerwise_groups([n for n, _ in items])]
+    return [
+        [(name, by_name[name]) for name in group]
+        for group in layerwise_groups([n for n, _ in items])
+    ]
 
 
 class WeightSync:
@@ -88,10 +94,17 @@ class WeightSync:
     after every push.
     """
 
-    def __init__(self, llm: Any, transport: str = "auto", tmp_dir: str | None = None,
-                 kv_scale: str | float | None = None) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        transport: str = "auto",
+        tmp_dir: str | None = None,
+        kv_scale: str | float | None = None,
+    ) -> None:
         if transport not in TRANSPORTS:
-            raise ValueError(f"transport={transport!r} is invalid; allowed: {', '.join(TRANSPORTS)}")
+            raise ValueError(
+                f"transport={transport!r} is invalid; allowed: {', '.join(TRANSPORTS)}"
+            )
         self.llm = llm
         backend = getattr(llm.llm_engine.vllm_config.weight_transfer_config, "backend", None)
         if backend != TRANSFER_BACKEND:
@@ -110,7 +123,9 @@ class WeightSync:
         if transport == "auto":
             transport = "tensors" if in_process else "file"
         elif transport == "tensors" and not in_process:
-            raise ValueError("transport='tensors' needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+            raise ValueError(
+                "transport='tensors' needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+            )
         self.transport = transport
         self.tmp_dir = tmp_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
         self.version = 0
@@ -127,17 +142,23 @@ class WeightSync:
         """Recalibrate the fp8 KV scales of the engine's start-up weights (the checkpoint on disk) on
         `sequences`, e.g. the first real prompts; before the first push only. Returns seconds."""
         if self.version > 0:
-            raise ValueError("calibrate_kv reads the checkpoint on disk, which the engine no longer holds after a push; "
-                             "the next push recalibrates on remember_kv's sequences")
+            raise ValueError(
+                "calibrate_kv reads the checkpoint on disk, which the engine no longer holds after a push; "
+                "the next push recalibrates on remember_kv's sequences"
+            )
         if not self.kv.calibrated:
             raise ValueError("calibrate_kv needs an fp8 KV cache with kv_scale='calibrated'")
         from flashrl.model.kv_calibration import checkpoint_getter
 
-        return self.kv.apply(checkpoint_getter(self.kv.model_dir), sequences=[list(s) for s in sequences])
+        return self.kv.apply(
+            checkpoint_getter(self.kv.model_dir), sequences=[list(s) for s in sequences]
+        )
 
     @torch.no_grad()
     def push(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None,
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        weight_version: str | None = None,
         kv_sequences: Iterable[Iterable[int]] | None = None,
     ) -> dict[str, float]:
         """Load `named_tensors` (checkpoint names, e.g. a trainer's ``named_parameters()``) into the
@@ -157,7 +178,10 @@ class WeightSync:
         items = [(name, materialize_full_tensor(t).detach()) for name, t in named_tensors]
         if not items:
             raise ValueError("nothing to push: no (name, tensor) pairs")
-        for name, tensor in items:  # before anything is sent: a refused push leaves the engine as it was
+        for (
+            name,
+            tensor,
+        ) in items:  # before anything is sent: a refused push leaves the engine as it was
             check_incoming(tensor, name)
         check_fused_complete(name for name, _ in items)
         self.kv.check_push([name for name, _ in items])
@@ -165,7 +189,11 @@ class WeightSync:
         self.llm.collective_rpc("flashrl_pop_requant_stats")  # zero the counters
         start = time.perf_counter()
         self.llm.start_weight_update()
-        chunk_dir = tempfile.mkdtemp(prefix="flashrl-sync-", dir=self.tmp_dir) if self.transport == "file" else None
+        chunk_dir = (
+            tempfile.mkdtemp(prefix="flashrl-sync-", dir=self.tmp_dir)
+            if self.transport == "file"
+            else None
+        )
         try:
             for index, chunk in enumerate(chunks):
                 self.llm.update_weights({"update_info": self._payload(chunk, chunk_dir, index)})
@@ -194,7 +222,9 @@ class WeightSync:
             "layers_requantized": float(max(r["layers_requantized"] for r in requant)),
         }
 
-    def _payload(self, chunk: list[tuple[str, torch.Tensor]], chunk_dir: str | None, index: int) -> dict[str, Any]:
+    def _payload(
+        self, chunk: list[tuple[str, torch.Tensor]], chunk_dir: str | None, index: int
+    ) -> dict[str, Any]:
         names = [name for name, _ in chunk]
         if chunk_dir is None:
             return {"names": names, "tensors": [t for _, t in chunk]}

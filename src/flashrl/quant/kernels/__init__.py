@@ -70,7 +70,9 @@ def get_mode() -> str:
     if not value:
         return "auto"
     if value not in MODES:
-        raise ConfigError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not a kernel mode; allowed: {', '.join(MODES)}")
+        raise ConfigError(
+            f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not a kernel mode; allowed: {', '.join(MODES)}"
+        )
     return value
 
 
@@ -101,8 +103,10 @@ def unsupported_reason(x: torch.Tensor) -> str | None:
         return "the triton package is not installed (pip install triton)"
     if x.is_cuda or interpreter_enabled():
         return None
-    return (f"the tensor is on {x.device}: the kernels run on CUDA tensors, or on CPU tensors under the "
-            f"Triton interpreter (TRITON_INTERPRET=1, used by the tests; not a performance path)")
+    return (
+        f"the tensor is on {x.device}: the kernels run on CUDA tensors, or on CPU tensors under the "
+        f"Triton interpreter (TRITON_INTERPRET=1, used by the tests; not a performance path)"
+    )
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -116,16 +120,22 @@ def use_triton(x: torch.Tensor) -> bool:
     elif mode == "triton":
         reason = unsupported_reason(x)
         if reason is not None:
-            raise KernelsUnavailableError(f"{ENV_VAR}=triton (or set_mode('triton')) but {reason}; "
-                                          f"use 'auto' or 'torch'")
+            raise KernelsUnavailableError(
+                f"{ENV_VAR}=triton (or set_mode('triton')) but {reason}; use 'auto' or 'torch'"
+            )
         choice = True
     else:
         choice = x.is_cuda and triton_available()
     key = (mode, x.device.type, "triton" if choice else "torch")
     if key not in _logged:
         _logged.add(key)
-        logger.info("quantization kernels on %s: %s (%s=%s)", x.device.type,
-                    "Triton" if choice else "torch reference", ENV_VAR, mode)
+        logger.info(
+            "quantization kernels on %s: %s (%s=%s)",
+            x.device.type,
+            "Triton" if choice else "torch reference",
+            ENV_VAR,
+            mode,
+        )
     return choice
 
 
@@ -168,34 +178,65 @@ def kernels_for(x: torch.Tensor) -> ModuleType:
     return _load(interpret=interpreter_enabled() or not x.is_cuda)
 
 
-def quantize_per_row(x: torch.Tensor, code_dtype: torch.dtype, out: torch.Tensor | None = None,
-                     scale_out: torch.Tensor | None = None, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_row(
+    x: torch.Tensor,
+    code_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `primitives.quantize_per_row` (bit-identical)."""
     return kernels_for(x).quantize_per_row(x, code_dtype, out, scale_out, check_finite)
 
 
-def quantize_per_tensor(x: torch.Tensor, code_dtype: torch.dtype, out: torch.Tensor | None = None,
-                        scale_out: torch.Tensor | None = None, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_tensor(
+    x: torch.Tensor,
+    code_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `primitives.quantize_per_tensor` (bit-identical)."""
     return kernels_for(x).quantize_per_tensor(x, code_dtype, out, scale_out, check_finite)
 
 
-def quantize_per_block(w: torch.Tensor, code_dtype: torch.dtype, block: tuple[int, int] = (128, 128),
-                       out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
-                       check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_block(
+    w: torch.Tensor,
+    code_dtype: torch.dtype,
+    block: tuple[int, int] = (128, 128),
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `primitives.quantize_per_block` (bit-identical)."""
     return kernels_for(w).quantize_per_block(w, code_dtype, block, out, scale_out, check_finite)
 
 
-def quantize_per_group(x: torch.Tensor, code_dtype: torch.dtype, group: int = 128,
-                       out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
-                       check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_group(
+    x: torch.Tensor,
+    code_dtype: torch.dtype,
+    group: int = 128,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `primitives.quantize_per_group` (bit-identical)."""
     return kernels_for(x).quantize_per_group(x, code_dtype, group, out, scale_out, check_finite)
 
 
 __all__ = [
-    "ENV_VAR", "MODES", "get_mode", "interpreter_enabled", "kernels_for", "mode_scope", "quantize_per_block",
-    "quantize_per_group", "quantize_per_row", "quantize_per_tensor", "set_mode", "triton_available",
-    "unsupported_reason", "use_triton",
+    "ENV_VAR",
+    "MODES",
+    "get_mode",
+    "interpreter_enabled",
+    "kernels_for",
+    "mode_scope",
+    "quantize_per_block",
+    "quantize_per_group",
+    "quantize_per_row",
+    "quantize_per_tensor",
+    "set_mode",
+    "triton_available",
+    "unsupported_reason",
+    "use_triton",
 ]

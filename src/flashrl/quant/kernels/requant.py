@@ -142,10 +142,23 @@ def _encode(y, IS_INT8: tl.constexpr):
 
 @triton.jit
 def _quant_rows_kernel(
-    x_ptr, q_ptr, s_ptr, M, K,
-    stride_xm, stride_xk, stride_qm, stride_qk, stride_s,
-    COMPUTE_SCALE: tl.constexpr, IS_INT8: tl.constexpr, QMAX: tl.constexpr, EPS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_qm,
+    stride_qk,
+    stride_s,
+    COMPUTE_SCALE: tl.constexpr,
+    IS_INT8: tl.constexpr,
+    QMAX: tl.constexpr,
+    EPS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
     """Quantize BLOCK_M rows of x [M, K]. COMPUTE_SCALE: the row scale is computed and written to
     ``s_ptr[row * stride_s]``; otherwise it is read from there (stride_s = 0: one per-tensor scale).
@@ -171,7 +184,9 @@ def _quant_rows_kernel(
             amax = tl.full([BLOCK_M], 0.0, tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 mask = row_ok[:, None] & (k0 + cols[None, :] < K)
-                x = tl.load(x_rows + (k0 + cols[None, :]) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_rows + (k0 + cols[None, :]) * stride_xk, mask=mask, other=0.0).to(
+                    tl.float32
+                )
                 amax = _max_nan(amax, _amax_nan(tl.abs(x), 1))
             s = _scale_of(amax, QMAX, EPS)
             tl.store(s_ptr + rows * stride_s, s, mask=row_ok)
@@ -179,15 +194,25 @@ def _quant_rows_kernel(
             s = tl.load(s_ptr + rows * stride_s, mask=row_ok, other=1.0)
         for k0 in range(0, K, BLOCK_K):
             mask = row_ok[:, None] & (k0 + cols[None, :] < K)
-            x = tl.load(x_rows + (k0 + cols[None, :]) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_rows + (k0 + cols[None, :]) * stride_xk, mask=mask, other=0.0).to(
+                tl.float32
+            )
             q = _encode(tl.math.div_rn(x, s[:, None]), IS_INT8)
-            tl.store(q_rows + (k0 + cols[None, :]) * stride_qk, q.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(
+                q_rows + (k0 + cols[None, :]) * stride_qk, q.to(q_ptr.dtype.element_ty), mask=mask
+            )
 
 
 @triton.jit
 def _rows_amax_kernel(
-    x_ptr, amax_ptr, M, K, stride_xm, stride_xk,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    amax_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """amax_ptr[row] = max |x[row, :]| in fp32 (NaN-propagating), for BLOCK_M rows."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -203,7 +228,9 @@ def _rows_amax_kernel(
 
 
 @triton.jit
-def _tensor_scale_kernel(amax_ptr, s_ptr, M, QMAX: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
+def _tensor_scale_kernel(
+    amax_ptr, s_ptr, M, QMAX: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr
+):
     """One program: s_ptr[0] = max(max_i amax_ptr[i], eps) / qmax, written over the old scale."""
     offs = tl.arange(0, BLOCK)
     acc = tl.full([BLOCK], 0.0, tl.float32)
@@ -214,10 +241,25 @@ def _tensor_scale_kernel(amax_ptr, s_ptr, M, QMAX: tl.constexpr, EPS: tl.constex
 
 @triton.jit
 def _quant_tiles_kernel(
-    x_ptr, q_ptr, s_ptr, M, K,
-    stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
-    ROWS: tl.constexpr, COLS: tl.constexpr, PAD_ROWS: tl.constexpr, PAD_COLS: tl.constexpr,
-    ROW_SCALES: tl.constexpr, IS_INT8: tl.constexpr, QMAX: tl.constexpr, EPS: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_qm,
+    stride_qk,
+    stride_sm,
+    stride_sk,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    PAD_ROWS: tl.constexpr,
+    PAD_COLS: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
+    IS_INT8: tl.constexpr,
+    QMAX: tl.constexpr,
+    EPS: tl.constexpr,
 ):
     """Quantize the ROWS x COLS tile (program_id(0), program_id(1)) of x [M, K] (PAD_*: the next
     powers of two). ROW_SCALES: one scale per row of the tile, i.e. 1 x COLS groups with scales
@@ -244,7 +286,11 @@ def _quant_tiles_kernel(
         tl.store(s_ptr + pid_m * stride_sm + pid_k * stride_sk, s)
         y = tl.math.div_rn(x, s)
     q = _encode(y, IS_INT8)
-    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :] * stride_qk, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        q_ptr + rows[:, None] * stride_qm + cols[None, :] * stride_qk,
+        q.to(q_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,7 +305,9 @@ def _check_args(x: torch.Tensor, code_dtype: torch.dtype, *outs: torch.Tensor | 
         raise InputError(f"tensor must be 2-D, got shape {tuple(x.shape)}")
     for out in outs:
         if out is not None and out.device != x.device:
-            raise InputError(f"output buffer is on {out.device}, the input on {x.device}; they must match")
+            raise InputError(
+                f"output buffer is on {out.device}, the input on {x.device}; they must match"
+            )
     return qmax
 
 
@@ -280,15 +328,38 @@ def _row_launch(k: int) -> tuple[int, int, bool]:
     return 1, 4096, False
 
 
-def _launch_rows(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, stride_s: int,
-                 compute_scale: bool, code_dtype: torch.dtype, qmax: float) -> None:
+def _launch_rows(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    scale: torch.Tensor,
+    stride_s: int,
+    compute_scale: bool,
+    code_dtype: torch.dtype,
+    qmax: float,
+) -> None:
     m, k = x.shape
     block_m, block_k, one_pass = _row_launch(k)
     q = _codes_view(out)
     _quant_rows_kernel[(triton.cdiv(m, block_m),)](
-        x, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0), q.stride(1), stride_s,
-        COMPUTE_SCALE=compute_scale, IS_INT8=code_dtype == torch.int8, QMAX=qmax, EPS=AMAX_EPS,
-        BLOCK_M=block_m, BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=_warps(block_m * block_k), **_OPTIONS,
+        x,
+        q,
+        scale,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        q.stride(0),
+        q.stride(1),
+        stride_s,
+        COMPUTE_SCALE=compute_scale,
+        IS_INT8=code_dtype == torch.int8,
+        QMAX=qmax,
+        EPS=AMAX_EPS,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        ONE_PASS=one_pass,
+        num_warps=_warps(block_m * block_k),
+        **_OPTIONS,
     )
 
 
@@ -304,7 +375,11 @@ def quantize_per_row(
     _check_out(out, tuple(x.shape), code_dtype, "out")
     _check_out(scale_out, (x.shape[0], 1), torch.float32, "scale_out")
     out = torch.empty(x.shape, dtype=code_dtype, device=x.device) if out is None else out
-    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device) if scale_out is None else scale_out
+    scale = (
+        torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        if scale_out is None
+        else scale_out
+    )
     if x.numel():
         _launch_rows(x, out, scale, scale.stride(0), True, code_dtype, qmax)
     if check_finite:
@@ -324,36 +399,75 @@ def quantize_per_tensor(
     qmax = _check_args(x, code_dtype, out, scale_out)
     _check_out(out, tuple(x.shape), code_dtype, "out")
     if scale_out is not None and scale_out.numel() != 1:
-        raise InputError(f"scale_out has shape {tuple(scale_out.shape)}; a per-tensor scale has one element")
+        raise InputError(
+            f"scale_out has shape {tuple(scale_out.shape)}; a per-tensor scale has one element"
+        )
     if x.numel() == 0:
         raise InputError("cannot quantize an empty tensor per tensor (its amax is undefined)")
     out = torch.empty(x.shape, dtype=code_dtype, device=x.device) if out is None else out
-    scale = torch.empty((), dtype=torch.float32, device=x.device) if scale_out is None else scale_out
+    scale = (
+        torch.empty((), dtype=torch.float32, device=x.device) if scale_out is None else scale_out
+    )
     m, k = x.shape
     amax = torch.empty(m, dtype=torch.float32, device=x.device)
     block_m, block_k, _ = _row_launch(k)
     block_k = min(block_k, 4096)
     _rows_amax_kernel[(triton.cdiv(m, block_m),)](
-        x, amax, m, k, x.stride(0), x.stride(1), BLOCK_M=block_m, BLOCK_K=block_k,
-        num_warps=_warps(block_m * block_k), **_OPTIONS,
+        x,
+        amax,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        num_warps=_warps(block_m * block_k),
+        **_OPTIONS,
     )
-    _tensor_scale_kernel[(1,)](amax, scale, m, QMAX=qmax, EPS=AMAX_EPS, BLOCK=1024, num_warps=4, **_OPTIONS)
+    _tensor_scale_kernel[(1,)](
+        amax, scale, m, QMAX=qmax, EPS=AMAX_EPS, BLOCK=1024, num_warps=4, **_OPTIONS
+    )
     _launch_rows(x, out, scale, 0, False, code_dtype, qmax)
     if check_finite:
         raise_if_not_finite(x, scale, "tensor")
     return out, scale
 
 
-def _launch_tiles(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int],
-                  row_scales: bool, code_dtype: torch.dtype, qmax: float) -> None:
+def _launch_tiles(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    scale: torch.Tensor,
+    tile: tuple[int, int],
+    row_scales: bool,
+    code_dtype: torch.dtype,
+    qmax: float,
+) -> None:
     m, k = x.shape
     rows, cols = tile
     pad_rows, pad_cols = triton.next_power_of_2(rows), triton.next_power_of_2(cols)
     q = _codes_view(out)
     _quant_tiles_kernel[(triton.cdiv(m, rows), triton.cdiv(k, cols))](
-        x, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0), q.stride(1), scale.stride(0), scale.stride(1),
-        ROWS=rows, COLS=cols, PAD_ROWS=pad_rows, PAD_COLS=pad_cols, ROW_SCALES=row_scales,
-        IS_INT8=code_dtype == torch.int8, QMAX=qmax, EPS=AMAX_EPS, num_warps=_warps(pad_rows * pad_cols), **_OPTIONS,
+        x,
+        q,
+        scale,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        q.stride(0),
+        q.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        ROWS=rows,
+        COLS=cols,
+        PAD_ROWS=pad_rows,
+        PAD_COLS=pad_cols,
+        ROW_SCALES=row_scales,
+        IS_INT8=code_dtype == torch.int8,
+        QMAX=qmax,
+        EPS=AMAX_EPS,
+        num_warps=_warps(pad_rows * pad_cols),
+        **_OPTIONS,
     )
 
 
@@ -372,7 +486,9 @@ def quantize_per_block(
     _check_out(out, tuple(w.shape), code_dtype, "out")
     _check_out(scale_out, grid, torch.float32, "scale_out")
     out = torch.empty(w.shape, dtype=code_dtype, device=w.device) if out is None else out
-    scale = torch.empty(grid, dtype=torch.float32, device=w.device) if scale_out is None else scale_out
+    scale = (
+        torch.empty(grid, dtype=torch.float32, device=w.device) if scale_out is None else scale_out
+    )
     if w.numel():
         _launch_tiles(w, out, scale, (int(block[0]), int(block[1])), False, code_dtype, qmax)
     if check_finite:
@@ -396,9 +512,15 @@ def quantize_per_group(
     _check_out(out, (m, k), code_dtype, "out")
     _check_out(scale_out, (m, groups), torch.float32, "scale_out")
     out = torch.empty(x.shape, dtype=code_dtype, device=x.device) if out is None else out
-    scale = torch.empty(m, groups, dtype=torch.float32, device=x.device) if scale_out is None else scale_out
+    scale = (
+        torch.empty(m, groups, dtype=torch.float32, device=x.device)
+        if scale_out is None
+        else scale_out
+    )
     if x.numel():
-        rows = max(1, min(triton.next_power_of_2(m), TILE_ELEMENTS // triton.next_power_of_2(group)))
+        rows = max(
+            1, min(triton.next_power_of_2(m), TILE_ELEMENTS // triton.next_power_of_2(group))
+        )
         _launch_tiles(x, out, scale, (rows, int(group)), True, code_dtype, qmax)
     if check_finite:
         raise_if_not_finite(x, scale, "tensor")
