@@ -29,6 +29,7 @@ pytest.importorskip(
 
 from flashrl.quant import QuantLinear, kernels, primitives
 from flashrl.quant.gemm import scaled_linear
+from flashrl.quant.kernels import launch
 from flashrl.quant.primitives import quantize_activation, quantize_weight
 from flashrl.quant.schemes import get_scheme
 
@@ -202,7 +203,7 @@ def test_out_of_range_values_clamp_before_the_cast(code, interpret):
     x = torch.cat([x, -x])
     scale = torch.tensor(1.0)
     got = torch.empty(x.shape, dtype=code)
-    kernels.kernels_for(x)._launch_rows(x, got, scale, 0, False, code, QMAX[code])
+    launch.launch_rows(kernels.kernels_for(x), x, got, scale, 0, False, code, QMAX[code])
     y = torch.clamp(x / scale, -QMAX[code], QMAX[code])
     want = (torch.round(y) if code == torch.int8 else y).to(code)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (got, want)
@@ -493,14 +494,14 @@ def test_ptx_uses_ieee_division():
     rows = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32"}
     cases = [  # (kernel, pointer types, constexprs, divides, arches)
         (
-            k._quant_rows_kernel,
+            k.quant_rows_kernel,
             rows,
             dict(base, COMPUTE_SCALE=True, BLOCK_M=1, BLOCK_K=4096, ONE_PASS=True),
             True,
             (90, 80),
         ),
         (
-            k._quant_rows_kernel,
+            k.quant_rows_kernel,
             dict(rows, x_ptr="*fp32", q_ptr="*i8"),
             dict(
                 base,
@@ -515,35 +516,35 @@ def test_ptx_uses_ieee_division():
             (90,),
         ),
         (
-            k._quant_rows_kernel,
+            k.quant_rows_kernel,
             rows,
             dict(base, COMPUTE_SCALE=False, BLOCK_M=4, BLOCK_K=1024, ONE_PASS=True),
             True,
             (90,),
         ),
         (
-            k._rows_amax_kernel,
+            k.rows_amax_kernel,
             {"x_ptr": "*bf16", "amax_ptr": "*fp32"},
             dict(BLOCK_M=1, BLOCK_K=4096),
             False,
             (90,),
         ),
         (
-            k._tensor_scale_kernel,
+            k.tensor_scale_kernel,
             {"amax_ptr": "*fp32", "s_ptr": "*fp32"},
             dict(QMAX=448.0, EPS=1e-10, BLOCK=1024),
             True,
             (90,),
         ),
         (
-            k._quant_tiles_kernel,
+            k.quant_tiles_kernel,
             rows,
             dict(base, ROWS=128, COLS=128, PAD_ROWS=128, PAD_COLS=128, ROW_SCALES=False),
             True,
             (90, 80),
         ),
         (
-            k._quant_tiles_kernel,
+            k.quant_tiles_kernel,
             rows,
             dict(base, ROWS=32, COLS=128, PAD_ROWS=32, PAD_COLS=128, ROW_SCALES=True),
             True,

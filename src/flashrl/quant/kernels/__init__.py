@@ -34,6 +34,7 @@ from types import ModuleType
 import torch
 
 from flashrl.errors import ConfigError, UnsupportedError
+from flashrl.quant.kernels import launch
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ def quantize_per_row(
     check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `primitives.quantize_per_row` (bit-identical)."""
-    return kernels_for(x).quantize_per_row(x, code_dtype, out, scale_out, check_finite)
+    return launch.quantize_per_row(kernels_for(x), x, code_dtype, out, scale_out, check_finite)
 
 
 def quantize_per_tensor(
@@ -197,7 +198,7 @@ def quantize_per_tensor(
     check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `primitives.quantize_per_tensor` (bit-identical)."""
-    return kernels_for(x).quantize_per_tensor(x, code_dtype, out, scale_out, check_finite)
+    return launch.quantize_per_tensor(kernels_for(x), x, code_dtype, out, scale_out, check_finite)
 
 
 def quantize_per_block(
@@ -209,7 +210,9 @@ def quantize_per_block(
     check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `primitives.quantize_per_block` (bit-identical)."""
-    return kernels_for(w).quantize_per_block(w, code_dtype, block, out, scale_out, check_finite)
+    return launch.quantize_per_block(
+        kernels_for(w), w, code_dtype, block, out, scale_out, check_finite
+    )
 
 
 def quantize_per_group(
@@ -221,7 +224,9 @@ def quantize_per_group(
     check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `primitives.quantize_per_group` (bit-identical)."""
-    return kernels_for(x).quantize_per_group(x, code_dtype, group, out, scale_out, check_finite)
+    return launch.quantize_per_group(
+        kernels_for(x), x, code_dtype, group, out, scale_out, check_finite
+    )
 
 
 __all__ = [

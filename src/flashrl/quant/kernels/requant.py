@@ -24,9 +24,9 @@ Codes of non-finite inputs are unspecified (the reference refuses such weights, 
 kernels, through the same `raise_if_not_finite`); activations are quantized without that check,
 also like the reference.
 
-Kernels: `_quant_rows_kernel` (per row, and per tensor with a given scale), `_rows_amax_kernel` and
-`_tensor_scale_kernel` (the per-tensor scale: row amax, then one program reduces and writes the
-scale over the old one), `_quant_tiles_kernel` (128x128 weight blocks and 1x128 activation groups).
+Kernels: `quant_rows_kernel` (per row, and per tensor with a given scale), `rows_amax_kernel` and
+`tensor_scale_kernel` (the per-tensor scale: row amax, then one program reduces and writes the
+scale over the old one), `quant_tiles_kernel` (128x128 weight blocks and 1x128 activation groups).
 
 The kernels use only Triton builtins (``tl.full``, ``tl.reduce``), no ``triton.language`` functions
 that are themselves ``@triton.jit`` (``tl.max``, ``tl.zeros``): those are compiled or interpreted
@@ -38,23 +38,8 @@ under the Triton interpreter (CPU tensors with TRITON_INTERPRET=1, the tests); c
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-from flashrl.errors import InputError
-from flashrl.quant.primitives import _check_out, block_grid, qmax_of, raise_if_not_finite
-from flashrl.quant.schemes import AMAX_EPS
-
-ONE_PASS_MAX_K = 16384
-"""Rows up to this many elements (rounded up to a power of two) are held in registers and read once;
-longer rows take two passes (amax, then quantize)."""
-TILE_ELEMENTS = 4096
-"""Elements per program for short rows and for activation groups (several rows per program)."""
-_OPTIONS = {"enable_fp_fusion": False}
-"""No multiply-add contraction: none of the math needs it, and every product and sum then rounds
-exactly as written (the products here are exact anyway)."""
-
 
 # ------------------------------------------------------------------------------------------------
 # device helpers
@@ -141,7 +126,7 @@ def _encode(y, IS_INT8: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(
+def quant_rows_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
@@ -204,7 +189,7 @@ def _quant_rows_kernel(
 
 
 @triton.jit
-def _rows_amax_kernel(
+def rows_amax_kernel(
     x_ptr,
     amax_ptr,
     M,
@@ -228,7 +213,7 @@ def _rows_amax_kernel(
 
 
 @triton.jit
-def _tensor_scale_kernel(
+def tensor_scale_kernel(
     amax_ptr, s_ptr, M, QMAX: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr
 ):
     """One program: s_ptr[0] = max(max_i amax_ptr[i], eps) / qmax, written over the old scale."""
@@ -240,7 +225,7 @@ def _tensor_scale_kernel(
 
 
 @triton.jit
-def _quant_tiles_kernel(
+def quant_tiles_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
@@ -291,237 +276,3 @@ def _quant_tiles_kernel(
         q.to(q_ptr.dtype.element_ty),
         mask=mask,
     )
-
-
-# ------------------------------------------------------------------------------------------------
-# host side: the reference signatures
-# ------------------------------------------------------------------------------------------------
-
-
-def _check_args(x: torch.Tensor, code_dtype: torch.dtype, *outs: torch.Tensor | None) -> float:
-    """Validate what the reference validates implicitly; return qmax."""
-    qmax = qmax_of(code_dtype)
-    if x.dim() != 2:
-        raise InputError(f"tensor must be 2-D, got shape {tuple(x.shape)}")
-    for out in outs:
-        if out is not None and out.device != x.device:
-            raise InputError(
-                f"output buffer is on {out.device}, the input on {x.device}; they must match"
-            )
-    return qmax
-
-
-def _codes_view(out: torch.Tensor) -> torch.Tensor:
-    """What the kernels store into: int8 codes as they are, e4m3 bit patterns through a uint8 view."""
-    return out if out.dtype == torch.int8 else out.view(torch.uint8)
-
-
-def _warps(elements: int) -> int:
-    return 4 if elements <= 2048 else 8 if elements <= 8192 else 16
-
-
-def _row_launch(k: int) -> tuple[int, int, bool]:
-    """(BLOCK_M, BLOCK_K, ONE_PASS) for rows of k elements."""
-    k_pow2 = triton.next_power_of_2(max(k, 1))
-    if k_pow2 <= ONE_PASS_MAX_K:
-        return max(1, min(64, TILE_ELEMENTS // k_pow2)), k_pow2, True
-    return 1, 4096, False
-
-
-def _launch_rows(
-    x: torch.Tensor,
-    out: torch.Tensor,
-    scale: torch.Tensor,
-    stride_s: int,
-    compute_scale: bool,
-    code_dtype: torch.dtype,
-    qmax: float,
-) -> None:
-    m, k = x.shape
-    block_m, block_k, one_pass = _row_launch(k)
-    q = _codes_view(out)
-    _quant_rows_kernel[(triton.cdiv(m, block_m),)](
-        x,
-        q,
-        scale,
-        m,
-        k,
-        x.stride(0),
-        x.stride(1),
-        q.stride(0),
-        q.stride(1),
-        stride_s,
-        COMPUTE_SCALE=compute_scale,
-        IS_INT8=code_dtype == torch.int8,
-        QMAX=qmax,
-        EPS=AMAX_EPS,
-        BLOCK_M=block_m,
-        BLOCK_K=block_k,
-        ONE_PASS=one_pass,
-        num_warps=_warps(block_m * block_k),
-        **_OPTIONS,
-    )
-
-
-def quantize_per_row(
-    x: torch.Tensor,
-    code_dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-    scale_out: torch.Tensor | None = None,
-    check_finite: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`primitives.quantize_per_row` as one kernel: codes [R, C] and scales [R, 1]."""
-    qmax = _check_args(x, code_dtype, out, scale_out)
-    _check_out(out, tuple(x.shape), code_dtype, "out")
-    _check_out(scale_out, (x.shape[0], 1), torch.float32, "scale_out")
-    out = torch.empty(x.shape, dtype=code_dtype, device=x.device) if out is None else out
-    scale = (
-        torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
-        if scale_out is None
-        else scale_out
-    )
-    if x.numel():
-        _launch_rows(x, out, scale, scale.stride(0), True, code_dtype, qmax)
-    if check_finite:
-        raise_if_not_finite(x, scale, "tensor")
-    return out, scale
-
-
-def quantize_per_tensor(
-    x: torch.Tensor,
-    code_dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-    scale_out: torch.Tensor | None = None,
-    check_finite: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`primitives.quantize_per_tensor` in three launches: row amax, the scale (overwriting
-    `scale_out`, never max-ed into it), then the codes. Returns (codes, scale of shape [])."""
-    qmax = _check_args(x, code_dtype, out, scale_out)
-    _check_out(out, tuple(x.shape), code_dtype, "out")
-    if scale_out is not None and scale_out.numel() != 1:
-        raise InputError(
-            f"scale_out has shape {tuple(scale_out.shape)}; a per-tensor scale has one element"
-        )
-    if x.numel() == 0:
-        raise InputError("cannot quantize an empty tensor per tensor (its amax is undefined)")
-    out = torch.empty(x.shape, dtype=code_dtype, device=x.device) if out is None else out
-    scale = (
-        torch.empty((), dtype=torch.float32, device=x.device) if scale_out is None else scale_out
-    )
-    m, k = x.shape
-    amax = torch.empty(m, dtype=torch.float32, device=x.device)
-    block_m, block_k, _ = _row_launch(k)
-    block_k = min(block_k, 4096)
-    _rows_amax_kernel[(triton.cdiv(m, block_m),)](
-        x,
-        amax,
-        m,
-        k,
-        x.stride(0),
-        x.stride(1),
-        BLOCK_M=block_m,
-        BLOCK_K=block_k,
-        num_warps=_warps(block_m * block_k),
-        **_OPTIONS,
-    )
-    _tensor_scale_kernel[(1,)](
-        amax, scale, m, QMAX=qmax, EPS=AMAX_EPS, BLOCK=1024, num_warps=4, **_OPTIONS
-    )
-    _launch_rows(x, out, scale, 0, False, code_dtype, qmax)
-    if check_finite:
-        raise_if_not_finite(x, scale, "tensor")
-    return out, scale
-
-
-def _launch_tiles(
-    x: torch.Tensor,
-    out: torch.Tensor,
-    scale: torch.Tensor,
-    tile: tuple[int, int],
-    row_scales: bool,
-    code_dtype: torch.dtype,
-    qmax: float,
-) -> None:
-    m, k = x.shape
-    rows, cols = tile
-    pad_rows, pad_cols = triton.next_power_of_2(rows), triton.next_power_of_2(cols)
-    q = _codes_view(out)
-    _quant_tiles_kernel[(triton.cdiv(m, rows), triton.cdiv(k, cols))](
-        x,
-        q,
-        scale,
-        m,
-        k,
-        x.stride(0),
-        x.stride(1),
-        q.stride(0),
-        q.stride(1),
-        scale.stride(0),
-        scale.stride(1),
-        ROWS=rows,
-        COLS=cols,
-        PAD_ROWS=pad_rows,
-        PAD_COLS=pad_cols,
-        ROW_SCALES=row_scales,
-        IS_INT8=code_dtype == torch.int8,
-        QMAX=qmax,
-        EPS=AMAX_EPS,
-        num_warps=_warps(pad_rows * pad_cols),
-        **_OPTIONS,
-    )
-
-
-def quantize_per_block(
-    w: torch.Tensor,
-    code_dtype: torch.dtype,
-    block: tuple[int, int] = (128, 128),
-    out: torch.Tensor | None = None,
-    scale_out: torch.Tensor | None = None,
-    check_finite: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`primitives.quantize_per_block`, one program per block: codes [N, K] and scales
-    [ceil(N/bn), ceil(K/bk)]; partial edge blocks see zeros past the edge."""
-    qmax = _check_args(w, code_dtype, out, scale_out)
-    grid = block_grid(tuple(w.shape), block)
-    _check_out(out, tuple(w.shape), code_dtype, "out")
-    _check_out(scale_out, grid, torch.float32, "scale_out")
-    out = torch.empty(w.shape, dtype=code_dtype, device=w.device) if out is None else out
-    scale = (
-        torch.empty(grid, dtype=torch.float32, device=w.device) if scale_out is None else scale_out
-    )
-    if w.numel():
-        _launch_tiles(w, out, scale, (int(block[0]), int(block[1])), False, code_dtype, qmax)
-    if check_finite:
-        raise_if_not_finite(w, scale, "tensor")
-    return out, scale
-
-
-def quantize_per_group(
-    x: torch.Tensor,
-    code_dtype: torch.dtype,
-    group: int = 128,
-    out: torch.Tensor | None = None,
-    scale_out: torch.Tensor | None = None,
-    check_finite: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`primitives.quantize_per_group`: codes [M, K] and scales [M, ceil(K/g)], several rows of one
-    group per program."""
-    qmax = _check_args(x, code_dtype, out, scale_out)
-    m, k = x.shape
-    groups = -(-k // group)
-    _check_out(out, (m, k), code_dtype, "out")
-    _check_out(scale_out, (m, groups), torch.float32, "scale_out")
-    out = torch.empty(x.shape, dtype=code_dtype, device=x.device) if out is None else out
-    scale = (
-        torch.empty(m, groups, dtype=torch.float32, device=x.device)
-        if scale_out is None
-        else scale_out
-    )
-    if x.numel():
-        rows = max(
-            1, min(triton.next_power_of_2(m), TILE_ELEMENTS // triton.next_power_of_2(group))
-        )
-        _launch_tiles(x, out, scale, (rows, int(group)), True, code_dtype, qmax)
-    if check_finite:
-        raise_if_not_finite(x, scale, "tensor")
-    return out, scale

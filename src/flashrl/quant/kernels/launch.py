@@ -1,0 +1,273 @@
+"""Host side of the Triton quantization kernels: argument checks, launch shapes and the reference
+signatures of `flashrl.quant.primitives` (one function per granularity, bit-identical results).
+
+Every function takes the `requant` module copy to launch (compiled or interpreted, chosen by
+`flashrl.quant.kernels.kernels_for`) as its first argument, so this module never imports Triton and
+loads on machines without it.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from flashrl.errors import InputError
+from flashrl.quant.encode import block_grid, check_out, qmax_of, raise_if_not_finite
+from flashrl.quant.schemes import AMAX_EPS
+
+ONE_PASS_MAX_K = 16384
+"""Rows up to this many elements (rounded up to a power of two) are held in registers and read once;
+longer rows take two passes (amax, then quantize)."""
+TILE_ELEMENTS = 4096
+"""Elements per program for short rows and for activation groups (several rows per program)."""
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
+"""No multiply-add contraction: none of the math needs it, and every product and sum then rounds
+exactly as written (the products here are exact anyway)."""
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (as `triton.next_power_of_2`)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_args(x: torch.Tensor, code_dtype: torch.dtype, *outs: torch.Tensor | None) -> float:
+    """Validate what the reference validates implicitly; return qmax."""
+    qmax = qmax_of(code_dtype)
+    if x.dim() != 2:
+        raise InputError(f"tensor must be 2-D, got shape {tuple(x.shape)}")
+    for out in outs:
+        if out is not None and out.device != x.device:
+            raise InputError(
+                f"output buffer is on {out.device}, the input on {x.device}; they must match"
+            )
+    return qmax
+
+
+def _codes_view(out: torch.Tensor) -> torch.Tensor:
+    """What the kernels store into: int8 codes as they are, e4m3 bit patterns through a uint8 view."""
+    return out if out.dtype == torch.int8 else out.view(torch.uint8)
+
+
+def _warps(elements: int) -> int:
+    return 4 if elements <= 2048 else 8 if elements <= 8192 else 16
+
+
+def _row_launch(k: int) -> tuple[int, int, bool]:
+    """(BLOCK_M, BLOCK_K, ONE_PASS) for rows of k elements."""
+    k_pow2 = next_power_of_2(max(k, 1))
+    if k_pow2 <= ONE_PASS_MAX_K:
+        return max(1, min(64, TILE_ELEMENTS // k_pow2)), k_pow2, True
+    return 1, 4096, False
+
+
+def launch_rows(
+    kernels: ModuleType,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    scale: torch.Tensor,
+    stride_s: int,
+    compute_scale: bool,
+    code_dtype: torch.dtype,
+    qmax: float,
+) -> None:
+    m, k = x.shape
+    block_m, block_k, one_pass = _row_launch(k)
+    q = _codes_view(out)
+    kernels.quant_rows_kernel[(cdiv(m, block_m),)](
+        x,
+        q,
+        scale,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        q.stride(0),
+        q.stride(1),
+        stride_s,
+        COMPUTE_SCALE=compute_scale,
+        IS_INT8=code_dtype == torch.int8,
+        QMAX=qmax,
+        EPS=AMAX_EPS,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        ONE_PASS=one_pass,
+        num_warps=_warps(block_m * block_k),
+        **LAUNCH_OPTIONS,
+    )
+
+
+def quantize_per_row(
+    kernels: ModuleType,
+    x: torch.Tensor,
+    code_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`primitives.quantize_per_row` as one kernel: codes [R, C] and scales [R, 1]."""
+    qmax = _check_args(x, code_dtype, out, scale_out)
+    check_out(out, tuple(x.shape), code_dtype, "out")
+    check_out(scale_out, (x.shape[0], 1), torch.float32, "scale_out")
+    out = torch.empty(x.shape, dtype=code_dtype, device=x.device) if out is None else out
+    scale = (
+        torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        if scale_out is None
+        else scale_out
+    )
+    if x.numel():
+        launch_rows(kernels, x, out, scale, scale.stride(0), True, code_dtype, qmax)
+    if check_finite:
+        raise_if_not_finite(x, scale, "tensor")
+    return out, scale
+
+
+def quantize_per_tensor(
+    kernels: ModuleType,
+    x: torch.Tensor,
+    code_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`primitives.quantize_per_tensor` in three launches: row amax, the scale (overwriting
+    `scale_out`, never max-ed into it), then the codes. Returns (codes, scale of shape [])."""
+    qmax = _check_args(x, code_dtype, out, scale_out)
+    check_out(out, tuple(x.shape), code_dtype, "out")
+    if scale_out is not None and scale_out.numel() != 1:
+        raise InputError(
+            f"scale_out has shape {tuple(scale_out.shape)}; a per-tensor scale has one element"
+        )
+    if x.numel() == 0:
+        raise InputError("cannot quantize an empty tensor per tensor (its amax is undefined)")
+    out = torch.empty(x.shape, dtype=code_dtype, device=x.device) if out is None else out
+    scale = (
+        torch.empty((), dtype=torch.float32, device=x.device) if scale_out is None else scale_out
+    )
+    m, k = x.shape
+    amax = torch.empty(m, dtype=torch.float32, device=x.device)
+    block_m, block_k, _ = _row_launch(k)
+    block_k = min(block_k, 4096)
+    kernels.rows_amax_kernel[(cdiv(m, block_m),)](
+        x,
+        amax,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        num_warps=_warps(block_m * block_k),
+        **LAUNCH_OPTIONS,
+    )
+    kernels.tensor_scale_kernel[(1,)](
+        amax, scale, m, QMAX=qmax, EPS=AMAX_EPS, BLOCK=1024, num_warps=4, **LAUNCH_OPTIONS
+    )
+    launch_rows(kernels, x, out, scale, 0, False, code_dtype, qmax)
+    if check_finite:
+        raise_if_not_finite(x, scale, "tensor")
+    return out, scale
+
+
+def launch_tiles(
+    kernels: ModuleType,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    scale: torch.Tensor,
+    tile: tuple[int, int],
+    row_scales: bool,
+    code_dtype: torch.dtype,
+    qmax: float,
+) -> None:
+    m, k = x.shape
+    rows, cols = tile
+    pad_rows, pad_cols = next_power_of_2(rows), next_power_of_2(cols)
+    q = _codes_view(out)
+    kernels.quant_tiles_kernel[(cdiv(m, rows), cdiv(k, cols))](
+        x,
+        q,
+        scale,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        q.stride(0),
+        q.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        ROWS=rows,
+        COLS=cols,
+        PAD_ROWS=pad_rows,
+        PAD_COLS=pad_cols,
+        ROW_SCALES=row_scales,
+        IS_INT8=code_dtype == torch.int8,
+        QMAX=qmax,
+        EPS=AMAX_EPS,
+        num_warps=_warps(pad_rows * pad_cols),
+        **LAUNCH_OPTIONS,
+    )
+
+
+def quantize_per_block(
+    kernels: ModuleType,
+    w: torch.Tensor,
+    code_dtype: torch.dtype,
+    block: tuple[int, int] = (128, 128),
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`primitives.quantize_per_block`, one program per block: codes [N, K] and scales
+    [ceil(N/bn), ceil(K/bk)]; partial edge blocks see zeros past the edge."""
+    qmax = _check_args(w, code_dtype, out, scale_out)
+    grid = block_grid(tuple(w.shape), block)
+    check_out(out, tuple(w.shape), code_dtype, "out")
+    check_out(scale_out, grid, torch.float32, "scale_out")
+    out = torch.empty(w.shape, dtype=code_dtype, device=w.device) if out is None else out
+    scale = (
+        torch.empty(grid, dtype=torch.float32, device=w.device) if scale_out is None else scale_out
+    )
+    if w.numel():
+        launch_tiles(
+            kernels, w, out, scale, (int(block[0]), int(block[1])), False, code_dtype, qmax
+        )
+    if check_finite:
+        raise_if_not_finite(w, scale, "tensor")
+    return out, scale
+
+
+def quantize_per_group(
+    kernels: ModuleType,
+    x: torch.Tensor,
+    code_dtype: torch.dtype,
+    group: int = 128,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`primitives.quantize_per_group`: codes [M, K] and scales [M, ceil(K/g)], several rows of one
+    group per program."""
+    qmax = _check_args(x, code_dtype, out, scale_out)
+    m, k = x.shape
+    groups = -(-k // group)
+    check_out(out, (m, k), code_dtype, "out")
+    check_out(scale_out, (m, groups), torch.float32, "scale_out")
+    out = torch.empty(x.shape, dtype=code_dtype, device=x.device) if out is None else out
+    scale = (
+        torch.empty(m, groups, dtype=torch.float32, device=x.device)
+        if scale_out is None
+        else scale_out
+    )
+    if x.numel():
+        rows = max(1, min(next_power_of_2(m), TILE_ELEMENTS // next_power_of_2(group)))
+        launch_tiles(kernels, x, out, scale, (rows, int(group)), True, code_dtype, qmax)
+    if check_finite:
+        raise_if_not_finite(x, scale, "tensor")
+    return out, scale
