@@ -13,6 +13,9 @@ from typing import Any
 import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+"""Tiny MoE models (8 experts, top-2): Qwen3-MoE with a dense layer (`mlp_only_layers`) and
+renormalised top-k, Qwen2-MoE with its shared expert, Mixtral."""
 
 
 def tiny_config(family: str, **overrides: Any):
@@ -54,14 +57,49 @@ def tiny_config(family: str, **overrides: Any):
     elif family == "mistral":
         cls = transformers.MistralConfig
         base.update(rope_theta=10000.0, sliding_window=None)
+    elif family in MOE_FAMILIES:
+        cls, extra = _tiny_moe(family)
+        base.update(extra)
     else:
-        raise ValueError(f"unknown tiny model family {family!r}; allowed: {', '.join(FAMILIES)}")
+        raise ValueError(
+            f"unknown tiny model family {family!r}; allowed: {', '.join(FAMILIES + MOE_FAMILIES)}"
+        )
     base.update(overrides)
     rope_scaling = base.pop("rope_scaling", None)
     config = cls(**base)
     if rope_scaling is not None:
         _set_rope_scaling(config, rope_scaling, base.get("rope_theta"))
     return config
+
+
+def _tiny_moe(family: str) -> tuple[type, dict[str, Any]]:
+    """Config class and MoE fields of a tiny `family` model (see `MOE_FAMILIES`)."""
+    import transformers
+
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig, dict(
+            rope_theta=1000000.0,
+            head_dim=32,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            tie_word_embeddings=True,
+        )
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig, dict(
+            rope_theta=1000000.0,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+        )
+    return transformers.MixtralConfig, dict(
+        rope_theta=10000.0, num_local_experts=8, num_experts_per_tok=2, intermediate_size=48
+    )
 
 
 def _set_rope_scaling(config, rope_scaling: dict, rope_theta: float | None) -> None:

@@ -8,6 +8,7 @@ Supported families (dense decoders with GQA, RoPE, RMSNorm and a SwiGLU MLP):
 | `MistralForCausalLM` | optional sliding window                                  |
 | `Qwen2ForCausalLM`   | q/k/v bias; usually tied embeddings on small models      |
 | `Qwen3ForCausalLM`   | per-head q/k RMSNorm; explicit `head_dim`                |
+| `Qwen3MoeForCausalLM`, `Qwen2MoeForCausalLM`, `MixtralForCausalLM` | MoE MLPs (`moe_config`)  |
 
 RoPE: `default`, `linear`, `llama3` and `yarn` scaling, read from either the transformers>=5
 `rope_parameters` field or the older `rope_theta` + `rope_scaling` fields.
@@ -25,12 +26,16 @@ from typing import Any
 import torch
 
 from flashrl.errors import ConfigError, UnsupportedError
+from flashrl.model.moe_config import MoEConfig, parse_moe
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -58,6 +63,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     torch_dtype: str | None = None
+    moe: MoEConfig | None = None
+    """Experts and routing of an MoE family (None: every MLP is dense)."""
 
     @property
     def q_size(self) -> int:
@@ -91,11 +98,13 @@ class ModelConfig:
             check.fail("num_key_value_heads", f"a divisor of num_attention_heads={num_heads}")
         head_dim = _head_dim(check, hidden_size, num_heads)
         rope_theta, rope_scaling = _rope_fields(raw, source)
-        if family == "qwen2" and raw.get("use_sliding_window"):
-            raise UnsupportedError(f"{source}: Qwen2 with use_sliding_window=true is not supported")
+        if family in ("qwen2", "qwen2_moe", "qwen3_moe") and raw.get("use_sliding_window"):
+            raise UnsupportedError(f"{source}: use_sliding_window=true is not supported")
+        if family == "qwen3_moe" and raw.get("attention_bias"):
+            raise UnsupportedError(f"{source}: Qwen3-MoE with attention_bias=true is not supported")
         eos_ids, single_ids = _special_ids(check)
         sliding_window = None
-        if family == "mistral" and raw.get("sliding_window") is not None:
+        if family in ("mistral", "mixtral") and raw.get("sliding_window") is not None:
             sliding_window = check.int("sliding_window", 2**31 - 1)
         return cls(
             family=family,
@@ -113,14 +122,17 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=check.int("max_position_embeddings", 2**31 - 1, default=4096),
             tie_word_embeddings=check.bool("tie_word_embeddings"),
-            qkv_bias=family == "qwen2" or check.bool("attention_bias"),
+            qkv_bias=family == "qwen2"
+            or (family == "qwen2_moe" and raw.get("qkv_bias", True) is not False)
+            or check.bool("attention_bias"),
             mlp_bias=check.bool("mlp_bias"),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=sliding_window,
             eos_token_ids=eos_ids,
             bos_token_id=single_ids["bos_token_id"],
             pad_token_id=single_ids["pad_token_id"],
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            moe=parse_moe(raw, family, num_layers, intermediate_size, source),
         )
 
     @classmethod

@@ -1,6 +1,7 @@
 """The decoder, written for inference: fused projections, a slot KV cache, logits only where needed.
 
-One class covers the Llama, Mistral, Qwen2 and Qwen3 families (`ModelConfig` lists what differs).
+One class covers the Llama, Mistral, Qwen2 and Qwen3 families (`ModelConfig` lists what differs) and
+the MoE families Qwen3-MoE, Qwen2-MoE and Mixtral, whose sparse layers use `flashrl.model.moe`.
 Numerics follow the reference `transformers` implementations so that bf16/fp32 logits agree:
 RMSNorm in fp32 then cast back before the weight multiply; RoPE tables computed in fp32 and cast to
 the activation dtype; SwiGLU ``down(silu(gate(x)) * up(x))``; attention scaled by 1/sqrt(head_dim).
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from flashrl.model.batch import ForwardBatch, masked_rows
 from flashrl.model.config import ModelConfig, rope_inv_freq
+from flashrl.model.moe import MoEBlock, RoutingObserver
 from flashrl.quant.linear import DenseLinear, make_linear, matches_any
 from flashrl.quant.schemes import QuantScheme, get_scheme
 
@@ -154,10 +156,16 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(
-        self, config: ModelConfig, scheme_for, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        scheme_for,
+        dtype: torch.dtype,
+        device: torch.device,
+        intermediate_size: int | None = None,
     ) -> None:
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
+        h = config.hidden_size
+        i = config.intermediate_size if intermediate_size is None else intermediate_size
         self.intermediate = i
         self.gate_up_proj = make_linear(
             h,
@@ -195,12 +203,16 @@ class DecoderLayer(nn.Module):
             dtype,
             device,
         )
-        self.mlp = MLP(
-            config,
-            lambda n, s: scheme_for(prefix + n, [prefix + "mlp." + x for x in s]),
-            dtype,
-            device,
-        )
+        moe = config.moe
+        if moe is not None and layer in moe.sparse_layers:
+            self.mlp = _moe_block(config, layer, scheme_for, dtype, device)
+        else:
+            self.mlp = MLP(
+                config,
+                lambda n, s: scheme_for(prefix + n, [prefix + "mlp." + x for x in s]),
+                dtype,
+                device,
+            )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, device
@@ -209,6 +221,29 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, batch: ForwardBatch, rotary: Rotary) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), batch, rotary)
         return h + self.mlp(self.post_attention_layernorm(h), batch)
+
+
+def _moe_block(
+    config: ModelConfig, layer: int, scheme_for, dtype: torch.dtype, device: torch.device
+) -> MoEBlock:
+    """Layer `layer`'s MoE block: experts under the scheme of ``model.layers.L.mlp.experts``, the
+    Qwen2-MoE shared expert under its own names; router and shared-expert gate in high precision."""
+    moe, prefix = config.moe, f"model.layers.{layer}.mlp."
+    shared = None
+    if moe.shared_expert_intermediate_size:
+        shared = MLP(
+            config,
+            lambda n, s: scheme_for(
+                prefix + n.replace("mlp.", "shared_expert."),
+                [prefix + "shared_expert." + x for x in s],
+            ),
+            dtype,
+            device,
+            intermediate_size=moe.shared_expert_intermediate_size,
+        )
+    experts = scheme_for(prefix + "experts", [prefix + "experts"])
+    index = moe.sparse_layers.index(layer)
+    return MoEBlock(moe, config.hidden_size, index, experts, shared, dtype, device)
 
 
 class Decoder(nn.Module):
@@ -255,6 +290,15 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, max_len, device)
         self.sliding_window = config.sliding_window
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        """The MoE blocks in layer order (empty for a dense model)."""
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+
+    def set_routing_observer(self, observer: RoutingObserver | None) -> None:
+        """Call ``observer(moe_index, ids)`` with every MoE block's top-k ids (None: stop)."""
+        for block in self.moe_blocks():
+            block.routing_observer = observer
 
     def hidden_states(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [B, T, hidden] for token ids [B, T]."""

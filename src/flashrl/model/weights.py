@@ -14,7 +14,8 @@ name resolves to a `Target` (engine module, which shard of a fused layer, weight
 | {input,post_attention}_layernorm.weight     | same                               |       |
 
 ``model.norm.weight``, ``model.embed_tokens.weight`` and ``lm_head.weight`` map to the decoder's
-``norm``, ``embed_tokens`` and ``lm_head``.
+``norm``, ``embed_tokens`` and ``lm_head``. MoE layers: `flashrl.model.moe_weights` (per-expert
+checkpoint names and the fused 3-D names of a `transformers` model in memory).
 
 With tied embeddings `lm_head.weight` is optional and `model.embed_tokens.weight` also feeds the
 head (a separate fp32 copy when `lm_head_fp32`). `*.rotary_emb.inv_freq` buffers are ignored.
@@ -33,7 +34,6 @@ import json
 import re
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,6 +41,8 @@ from safetensors import SafetensorError, safe_open
 
 from flashrl.errors import CheckpointError, WeightError
 from flashrl.model.decoder import GATE_UP_SHARDS, QKV_SHARDS, Decoder
+from flashrl.model.moe_weights import Target, moe_names
+from flashrl.quant.experts import QuantExperts
 from flashrl.quant.linear import QuantLinear
 from flashrl.utils import synchronize
 
@@ -114,29 +116,22 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
         yield name, tensor
 
 
-@dataclass(frozen=True)
-class Target:
-    """Where one HF tensor goes: `module` (decoder name), `kind` ("weight", "bias", "param"),
-    `shard`."""
-
-    module: str
-    kind: str
-    shard: int | None = None
-
-
 class WeightMap:
     """HF name -> engine target for one `Decoder`; validates names and shapes, applies tensors."""
 
     def __init__(self, model: Decoder) -> None:
         self.model = model
         self.modules = dict(model.named_modules())
+        self.moe = moe_names(model.config)
         self.expected = self._expected_names()
 
     def _expected_names(self) -> set[str]:
         c = self.model.config
         names = {"model.embed_tokens.weight", "model.norm.weight"}
+        names |= {name for name, entry in self.moe.items() if not entry.covers}
         if not c.tie_word_embeddings:
             names.add("lm_head.weight")
+        sparse = set(c.moe.sparse_layers) if c.moe is not None else set()
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             names |= {
@@ -144,15 +139,15 @@ class WeightMap:
                 p + "post_attention_layernorm.weight",
                 p + "self_attn.o_proj.weight",
             }
-            names |= {p + f"self_attn.{s}.weight" for s in QKV_SHARDS} | {
-                p + f"mlp.{s}.weight" for s in GATE_UP_SHARDS
-            }
-            names.add(p + "mlp.down_proj.weight")
+            names |= {p + f"self_attn.{s}.weight" for s in QKV_SHARDS}
+            if i not in sparse:
+                names |= {p + f"mlp.{s}.weight" for s in GATE_UP_SHARDS}
+                names.add(p + "mlp.down_proj.weight")
             if c.qkv_bias:
                 names |= {p + f"self_attn.{s}.bias" for s in QKV_SHARDS}
                 if c.family == "llama":
                     names.add(p + "self_attn.o_proj.bias")
-            if c.mlp_bias:
+            if c.mlp_bias and i not in sparse:
                 names |= {p + f"mlp.{s}.bias" for s in GATE_UP_SHARDS} | {p + "mlp.down_proj.bias"}
             if c.qk_norm:
                 names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
@@ -160,6 +155,8 @@ class WeightMap:
 
     def resolve(self, name: str) -> list[Target]:
         """The decoder target(s) of HF tensor `name`; a `WeightError` naming it when unknown."""
+        if isinstance(name, str) and name in self.moe:
+            return [self.moe[name].target]
         if not isinstance(name, str) or (
             name not in self.expected
             and not (name == "lm_head.weight" and self.model.config.tie_word_embeddings)
@@ -239,6 +236,8 @@ class WeightMap:
         module = self._module(target)
         if target.kind == "param":
             return tuple(module.weight.shape)
+        if target.kind in ("expert", "experts"):
+            return module.update_shape(target.expert, target.shard)
         rows = module.out_features if target.shard is None else module.shard_sizes[target.shard]
         return (rows, module.in_features) if target.kind == "weight" else (rows,)
 
@@ -254,6 +253,9 @@ class WeightMap:
             module = self._module(target)
             if target.kind == "param":
                 module.weight.copy_(tensor)
+            elif target.kind in ("expert", "experts"):
+                count = count_changed and isinstance(module, QuantExperts)
+                changed += module.requantize_(tensor, target.expert, target.shard, count)
             elif target.kind == "weight":
                 count = count_changed and isinstance(module, QuantLinear)
                 changed += module.requantize_(tensor, shard=target.shard, count_changed=count)
@@ -294,7 +296,11 @@ class WeightMap:
 
     def quantized_codes(self) -> int:
         """How many quantized weight codes the model holds (the denominator of `count_changed`)."""
-        return sum(m.weight.numel() for m in self.model.modules() if isinstance(m, QuantLinear))
+        return sum(
+            m.weight.numel()
+            for m in self.model.modules()
+            if isinstance(m, QuantLinear | QuantExperts)
+        )
 
     def random_weights(
         self, seed: int, std: float, dtype: torch.dtype, device: torch.device
@@ -331,6 +337,8 @@ class WeightMap:
             except WeightError as err:
                 raise WeightError(f"{file}: {err}" if file is not None else str(err)) from None
             seen.add(name)
+            if name in self.moe:
+                seen.update(self.moe[name].covers)
         missing = sorted(self.expected - seen)
         if missing:
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""

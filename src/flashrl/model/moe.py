@@ -1,0 +1,125 @@
+"""The sparse MoE block of the decoder: a router kept in high precision, top-k routing, and
+experts as SwiGLU MLPs stored stacked (`flashrl.quant.experts`), grouped by expert.
+
+Numerics follow `transformers` 5.x (qwen3_moe, qwen2_moe, mixtral modeling files and the default
+``grouped_mm`` experts implementation of `transformers.integrations.moe`):
+
+1. router logits ``x @ W_gate^T`` in the activation dtype (the router is never quantized);
+2. ``softmax`` in fp32, ``topk`` (ids in descending probability), then the top-k weights are
+   renormalised to sum 1 where the family says so (`MoEConfig.norm_topk_prob`; always for Mixtral);
+   Qwen casts them to the logits' dtype, Mixtral keeps them fp32;
+3. each (token, expert) pair computes ``down(silu(gate(x)) * up(x))`` with expert e's weights;
+   pairs are sorted by expert id and each expert with tokens runs one GEMM over its rows (no
+   per-token loop; the quantized GEMM is `QuantLinear`'s, per expert);
+4. each pair's output times its weight, summed over the k pairs of a token, cast to the activation
+   dtype; Qwen2-MoE adds ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``.
+
+Routing observation: `routing_observer(moe_index, ids)` (set by `Decoder.set_routing_observer`)
+sees the top-k ids [tokens, k] of every forward (the engine's routing capture).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flashrl.model.batch import ForwardBatch, masked_rows
+from flashrl.model.moe_config import MoEConfig
+from flashrl.quant.experts import DenseExperts, QuantExperts, make_experts
+from flashrl.quant.linear import DenseLinear
+from flashrl.quant.schemes import QuantScheme
+
+RoutingObserver = Callable[[int, torch.Tensor], None]
+
+
+def route(logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k weights and expert ids [tokens, k] from router logits [tokens, E] (module doc, 2)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if moe.weights_in_router_dtype:
+        weights = weights.to(logits.dtype)
+    return weights, ids
+
+
+def replay_weights(logits: torch.Tensor, ids: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
+    """The top-k weights `route` gives to given expert `ids` (routing replay)."""
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype) if moe.weights_in_router_dtype else weights
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: QuantExperts | DenseExperts,
+    down: QuantExperts | DenseExperts,
+) -> torch.Tensor:
+    """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for x [T, H]: (token, expert) pairs
+    sorted by expert, one SwiGLU per expert with tokens (one host sync for the counts)."""
+    tokens, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.num_experts).tolist()
+    xs = x[order // k]
+    out = torch.empty(tokens * k, x.shape[-1], dtype=x.dtype, device=x.device)
+    inter = gate_up.out_features // 2
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        gate, up = gate_up.linear(xs[rows], expert).split(inter, dim=-1)
+        out[rows] = down.linear(F.silu(gate) * up, expert)
+        start += count
+    weighted = out * weights.reshape(-1)[order, None]
+    unsorted = torch.empty_like(weighted)
+    unsorted[order] = weighted
+    return unsorted.view(tokens, k, -1).sum(dim=1).to(x.dtype)
+
+
+class MoEBlock(nn.Module):
+    """One sparse MoE MLP; module names mirror `transformers` (``gate``, ``experts``,
+    ``shared_expert``, ``shared_expert_gate``); ``experts`` holds ``gate_up_proj`` [E, 2I, H]
+    (shards gate, up) and ``down_proj`` [E, H, I]."""
+
+    def __init__(
+        self,
+        moe: MoEConfig,
+        hidden_size: int,
+        index: int,
+        expert_scheme: QuantScheme,
+        shared_expert: nn.Module | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.moe, self.index = moe, index
+        """`index`: this block's position among the model's MoE layers (routing records)."""
+        e, i, h = moe.num_experts, moe.expert_intermediate_size, hidden_size
+        self.gate = DenseLinear(h, e, dtype=dtype, device=device)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = make_experts(e, h, 2 * i, expert_scheme, (i, i), dtype, device)
+        self.experts.down_proj = make_experts(e, i, h, expert_scheme, None, dtype, device)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (
+            DenseLinear(h, 1, dtype=dtype, device=device) if shared_expert is not None else None
+        )
+        self.routing_observer: RoutingObserver | None = None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        shape = x.shape
+        flat = masked_rows(x, batch).reshape(-1, shape[-1])
+        weights, ids = route(self.gate(flat), self.moe)
+        if self.routing_observer is not None:
+            self.routing_observer(self.index, ids)
+        out = grouped_experts(flat, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(shape)

@@ -1,0 +1,252 @@
+"""Stacked expert weights of an MoE layer, quantized per expert, re-quantized in place.
+
+Public API (small on purpose; the vLLM backend may reuse it):
+
+- `QuantExperts(num_experts, in_features, out_features, scheme, shard_sizes)`: codes ``weight``
+  [E, N, K] and fp32 ``weight_scale`` stacked per expert: [E, S] per tensor (one scale per expert
+  and shard), [E, N, 1] per channel, [E, sum_i ceil(n_i/128), ceil(K/128)] per block (a block grid
+  per expert and shard). Expert e's codes and scales are bit-identical to a `QuantLinear` with the
+  same shards loaded from expert e's weight (tests/test_moe_experts.py), because both call
+  `flashrl.quant.primitives.quantize_weight` on the same slices.
+- `DenseExperts`: the same API in the activation dtype (bf16 scheme, or experts kept unquantized).
+- `make_experts(...)`: one or the other for a scheme.
+- ``requantize_(w, expert=None, shard=None)``: `w` is [E, n, K] (every expert; the fused 3-D
+  parameters of a `transformers` 5.x model) or [n, K] (one expert, a checkpoint tensor); `shard`
+  picks gate or up of a fused gate/up weight. Storage never moves (`data_ptr` stays).
+- ``linear(x, expert)``: ``x @ W_e^T`` with the same GEMM as `QuantLinear` (`quant.gemm`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flashrl.errors import InputError
+from flashrl.quant.gemm import check_gemm_shape, scaled_linear
+from flashrl.quant.primitives import (
+    check_float_input,
+    dequantize_per_block_shards,
+    dequantize_per_row,
+    quantize_weight,
+)
+from flashrl.quant.schemes import QuantScheme, get_scheme
+
+
+class _StackedExperts(nn.Module):
+    """Shape bookkeeping and argument checks shared by `QuantExperts` and `DenseExperts`."""
+
+    weight: torch.Tensor
+
+    def _init_shape(self, num_experts: int, k: int, n: int, shards: Iterable[int] | None) -> None:
+        self.num_experts, self.in_features, self.out_features = num_experts, k, n
+        self.shard_sizes = tuple(int(s) for s in (shards or (n,)))
+        if sum(self.shard_sizes) != n or min(self.shard_sizes) <= 0:
+            raise ValueError(f"shard_sizes {self.shard_sizes} must be positive and sum to {n}")
+
+    def shard_rows(self, shard: int) -> tuple[int, int]:
+        """Row range [start, end) of shard `shard` in one expert's weight."""
+        if not 0 <= shard < len(self.shard_sizes):
+            raise IndexError(f"shard {shard} out of range ({len(self.shard_sizes)} shard(s))")
+        start = sum(self.shard_sizes[:shard])
+        return start, start + self.shard_sizes[shard]
+
+    def update_shape(self, expert: int | None, shard: int | None) -> tuple[int, ...]:
+        """The shape `requantize_` takes for (`expert`, `shard`); None means all of them."""
+        start, end = (0, self.out_features) if shard is None else self.shard_rows(shard)
+        rows = (end - start, self.in_features)
+        return rows if expert is not None else (self.num_experts, *rows)
+
+    def _check_update(self, weight: torch.Tensor, expert: int | None, shard: int | None) -> None:
+        check_float_input(weight, "expert weight", ndim=None)
+        if expert is not None and not 0 <= expert < self.num_experts:
+            raise InputError(f"expert {expert} out of range [0, {self.num_experts})")
+        expected = self.update_shape(expert, shard)
+        if tuple(weight.shape) != expected:
+            raise InputError(f"expert weight has shape {tuple(weight.shape)}; expected {expected}")
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in [*self.buffers(), *self.parameters()])
+
+
+class QuantExperts(_StackedExperts):
+    """E experts' [N, K] weights of one projection as 8-bit codes with per-expert scales."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        scheme: str | QuantScheme,
+        shard_sizes: Iterable[int] | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        scheme = get_scheme(scheme)
+        if not scheme.is_quantized:
+            raise ValueError(f"scheme {scheme.name!r} does not quantize; use DenseExperts")
+        self._init_shape(num_experts, in_features, out_features, shard_sizes)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        check_gemm_shape(scheme, in_features, out_features, device)
+        self.scheme, self.dtype = scheme, dtype
+        e, n, k = num_experts, out_features, in_features
+        self.register_buffer("weight", torch.zeros(e, n, k, dtype=scheme.code_dtype, device=device))
+        g = scheme.weight_granularity
+        if g == "tensor":
+            scale_shape: tuple[int, ...] = (e, len(self.shard_sizes))
+        elif g == "channel":
+            scale_shape = (e, n, 1)
+        else:
+            bn, bk = scheme.block_size
+            scale_shape = (e, sum(math.ceil(s / bn) for s in self.shard_sizes), math.ceil(k / bk))
+        self.register_buffer("weight_scale", torch.ones(scale_shape, device=device))
+        self.row_scale: torch.Tensor | None
+        if g == "tensor" and len(self.shard_sizes) > 1:  # the GEMM takes one scale per row
+            self.register_buffer("row_scale", torch.ones(e, n, device=device), persistent=False)
+        else:
+            self.row_scale = None
+
+    def _shard_scale(self, expert: int, shard: int) -> torch.Tensor:
+        g, scale = self.scheme.weight_granularity, self.weight_scale[expert]
+        if g == "tensor":
+            return scale[shard]
+        start, end = self.shard_rows(shard)
+        if g == "channel":
+            return scale[start:end]
+        bn = self.scheme.block_size[0]
+        first = sum(math.ceil(s / bn) for s in self.shard_sizes[:shard])
+        return scale[first : first + math.ceil(self.shard_sizes[shard] / bn)]
+
+    @torch.no_grad()
+    def requantize_(
+        self,
+        weight: torch.Tensor,
+        expert: int | None = None,
+        shard: int | None = None,
+        count_changed: bool = False,
+    ) -> int:
+        """Quantize `weight` into the existing buffers with fresh scales (module docstring);
+        returns how many codes changed when `count_changed`, else 0."""
+        self._check_update(weight, expert, shard)
+        weight = weight.to(self.weight.device)
+        experts = range(self.num_experts) if expert is None else [expert]
+        shards = range(len(self.shard_sizes)) if shard is None else [shard]
+        base = 0 if shard is None else self.shard_rows(shard)[0]
+        rows = slice(base, base + weight.shape[-2])
+        target = self.weight[:, rows] if expert is None else self.weight[expert, rows]
+        old = target.clone() if count_changed else None
+        for e in experts:
+            local_all = weight[e] if expert is None else weight
+            for i in shards:
+                start, end = self.shard_rows(i)
+                quantize_weight(
+                    local_all[start - base : end - base],
+                    self.scheme,
+                    out=self.weight[e, start:end],
+                    scale_out=self._shard_scale(e, i),
+                    name=f"expert {e} shard {i} weight",
+                )
+                if self.row_scale is not None:
+                    self.row_scale[e, start:end].copy_(self.weight_scale[e, i].expand(end - start))
+        if old is None:
+            return 0
+        return int((old.view(torch.uint8) != target.view(torch.uint8)).sum())
+
+    def expert_scale(self, expert: int) -> torch.Tensor:
+        """Expert `expert`'s scale as `scaled_linear` takes it (one per row for fused per-tensor)."""
+        if self.row_scale is not None:
+            return self.row_scale[expert]
+        return self.weight_scale[expert]
+
+    def linear(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """``x @ W_e^T`` for x [M, K], through the same GEMM as `QuantLinear.forward`."""
+        return scaled_linear(
+            x,
+            self.weight[expert],
+            self.expert_scale(expert),
+            self.scheme,
+            None,
+            x.dtype,
+            self.shard_sizes,
+        )
+
+    def dequantized_weight(self, expert: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The [N, K] weight expert `expert` effectively multiplies by: codes times scales."""
+        codes = self.weight[expert]
+        if self.scheme.weight_granularity == "block":
+            scale = self.weight_scale[expert]
+            return dequantize_per_block_shards(
+                codes, scale, self.scheme.block_size, self.shard_sizes, dtype
+            )
+        scale = self.expert_scale(expert)
+        return dequantize_per_row(codes, scale.reshape(-1, 1) if scale.dim() else scale, dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, scheme={self.scheme.name}, "
+            f"shards={self.shard_sizes}"
+        )
+
+
+class DenseExperts(_StackedExperts):
+    """E experts' [N, K] weights in the activation dtype; "re-quantization" is an in-place copy."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        shard_sizes: Iterable[int] | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self._init_shape(num_experts, in_features, out_features, shard_sizes)
+        self.scheme, self.dtype = get_scheme("bf16"), dtype
+        shape = (num_experts, out_features, in_features)
+        self.weight = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), False)
+
+    @torch.no_grad()
+    def requantize_(
+        self,
+        weight: torch.Tensor,
+        expert: int | None = None,
+        shard: int | None = None,
+        count_changed: bool = False,
+    ) -> int:
+        """Copy `weight` (shapes as `QuantExperts.requantize_`) in place, cast to the dtype."""
+        self._check_update(weight, expert, shard)
+        start, end = (0, self.out_features) if shard is None else self.shard_rows(shard)
+        target = self.weight[:, start:end] if expert is None else self.weight[expert, start:end]
+        old = target.clone() if count_changed else None
+        target.copy_(weight)
+        return int((old != target).sum()) if old is not None else 0
+
+    def linear(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return F.linear(x, self.weight[expert])
+
+    def dequantized_weight(self, expert: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight[expert].to(dtype)
+
+
+def make_experts(
+    num_experts: int,
+    in_features: int,
+    out_features: int,
+    scheme: str | QuantScheme,
+    shard_sizes: Iterable[int] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+) -> QuantExperts | DenseExperts:
+    """Empty stacked experts of `scheme` (loaded afterwards with `requantize_`)."""
+    scheme = get_scheme(scheme)
+    if scheme.is_quantized:
+        return QuantExperts(
+            num_experts, in_features, out_features, scheme, shard_sizes, dtype, device
+        )
+    return DenseExperts(num_experts, in_features, out_features, shard_sizes, dtype, device)
