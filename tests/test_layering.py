@@ -29,6 +29,7 @@ LAYERS = {
     "engine": 4,
     "vllm_backend": 4,
     "correction": 5,
+    "distributed": 5,
     "rl": 6,
     "profile": 7,
     "verify": 7,

@@ -1,0 +1,185 @@
+"""`WorkerPool`: the trainer's handle on N rollout workers (Ray actors) and their weight group.
+
+Every remote call is waited for with a deadline (`PoolConfig.timeout_s`), and a worker that died
+or did not answer in time is named in a `RolloutWorkerError`; the gloo / NCCL group has the same
+timeout, so a sync to a dead worker fails instead of hanging. Ray is imported only here, lazily:
+without it, `require_ray` raises an `UnsupportedError` with the one-line install hint.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flashrl.core.rollout import Rollout, RolloutBackend
+from flashrl.core.sampling import SamplingParams
+from flashrl.distributed.transport import (
+    DEFAULT_BUCKET_BYTES,
+    BucketBroadcast,
+    free_port,
+    make_group,
+    payload_tensors,
+    plan,
+)
+from flashrl.distributed.worker import RolloutWorker
+from flashrl.errors import FlashRLError, UnsupportedError
+
+logger = logging.getLogger(__name__)
+INSTALL_HINT = "rollout workers need Ray: pip install 'flashrl[ray]'"
+
+
+class RolloutWorkerError(FlashRLError, RuntimeError):
+    """A rollout worker died, failed, or did not answer within the timeout (named in the
+    message)."""
+
+
+def require_ray() -> Any:
+    """The `ray` module, or an `UnsupportedError` with the install hint."""
+    try:
+        import ray
+    except ImportError:
+        raise UnsupportedError(INSTALL_HINT) from None
+    return ray
+
+
+@dataclass
+class PoolConfig:
+    """How many workers, where, with what resources, and how weights travel."""
+
+    workers: int = 1
+    address: str | None = None
+    """None: start a local Ray instance; 'auto' or host:port: join an existing cluster."""
+    cpus: float = 1.0
+    gpus: float = 0.0
+    threads: int = 1
+    """torch threads per worker."""
+    device: str = "cpu"
+    """Where the weight group's buckets live (cpu: gloo; cuda: NCCL)."""
+    payload: str = "stream"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_s: float = 600.0
+
+
+class WorkerPool:
+    """N `RolloutWorker` actors, a process group with the trainer as rank 0, and the calls the
+    trainer makes on them: `submit` / `collect` (generate shards), `sync`, `stats`, `shutdown`."""
+
+    def __init__(self, factory: Callable[[], RolloutBackend], config: PoolConfig) -> None:
+        self.ray = ray = require_ray()
+        self.config, self.owns_ray = config, False
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+            if config.address is None:
+                kwargs["num_cpus"] = max(int(config.workers * config.cpus), 1)
+            ray.init(address=config.address, **kwargs)
+            self.owns_ray = True
+        actor = ray.remote(RolloutWorker).options(
+            num_cpus=config.cpus, num_gpus=config.gpus, max_restarts=0, max_concurrency=1
+        )
+        self.workers = [actor.remote(factory, i, config.threads) for i in range(config.workers)]
+        self.group = None
+        try:
+            infos = self.wait([w.ready.remote() for w in self.workers], "start")
+            self.quantized: dict[str, str] = infos[0]["quantized"]
+            self._join_group()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _join_group(self) -> None:
+        c = self.config
+        host = "127.0.0.1" if c.address is None else self.ray.util.get_node_ip_address()
+        port, world = free_port(host), c.workers + 1
+        futures = [
+            w.join_group.remote(host, port, world, c.device, c.timeout_s, c.bucket_bytes)
+            for w in self.workers
+        ]
+        self.group = make_group(host, port, 0, world, c.device, c.timeout_s)
+        self.wait(futures, "join the weight group")
+        self.broadcast = BucketBroadcast(self.group, c.device, c.bucket_bytes)
+
+    # ------------------------------------------------------------------ remote calls
+
+    def wait(self, futures: Sequence[Any], what: str) -> list[Any]:
+        """The results of one call per worker (future i belongs to worker i), or a
+        `RolloutWorkerError` naming the first worker that failed or missed the deadline."""
+        ray = self.ray
+        done, pending = ray.wait(
+            list(futures), num_returns=len(futures), timeout=self.config.timeout_s
+        )
+        out = []
+        for i, f in enumerate(futures):
+            if f not in done:
+                names = [f"rollout worker {futures.index(p)}" for p in pending]
+                raise RolloutWorkerError(
+                    f"{', '.join(names)} did not {what} within {self.config.timeout_s:g} s "
+                    f"(run.worker_timeout); the run stops here"
+                )
+            try:
+                out.append(ray.get(f))
+            except ray.exceptions.RayActorError as err:
+                raise RolloutWorkerError(
+                    f"rollout worker {i} died during '{what}' ({type(err).__name__}); the run "
+                    f"stops here"
+                ) from err
+            except ray.exceptions.RayTaskError as err:
+                raise RolloutWorkerError(
+                    f"rollout worker {i} failed during '{what}': {err.cause!r}"
+                ) from err
+        return out
+
+    def submit(
+        self, shards: Sequence[tuple[list[list[int]], SamplingParams]], owners: list[list[int]]
+    ) -> list[Any]:
+        """Start generating: worker w runs the shards `owners[w]`; returns the futures."""
+        return [
+            w.generate.remote([shards[s] for s in mine])
+            for w, mine in zip(self.workers, owners, strict=True)
+        ]
+
+    def collect(self, futures: list[Any], owners: list[list[int]]) -> list[list[Rollout]]:
+        """The rollouts of every shard, in shard order."""
+        results = self.wait(futures, "generate")
+        parts: dict[int, list[Rollout]] = {}
+        for mine, got in zip(owners, results, strict=True):
+            parts.update(zip(mine, got, strict=True))
+        return [parts[s] for s in sorted(parts)]
+
+    def sync(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Broadcast new weights to every worker (phases: plan, stream, finish); returns the bytes
+        sent, the trainer's send time and each worker's sync / requant / KV-calibration time."""
+        named = [(n, t.detach()) for n, t in named]
+        metas = plan(named, self.config.payload, self.quantized)
+        futures = [w.receive.remote(metas) for w in self.workers]
+        try:
+            sent = self.broadcast.send(payload_tensors(named, metas, self.quantized))
+        except RuntimeError as err:
+            self.wait(futures, "receive weights")  # names the worker that broke the group
+            raise RolloutWorkerError(f"weight broadcast failed: {err}") from err
+        results = self.wait(futures, "receive weights")
+        out = {"sync/bytes": sent["bytes"], "send_s": sent["send_s"]}
+        for i, r in enumerate(results):
+            out.update({f"worker{i}/{k}": v for k, v in r.items()})
+        out["requant_s"] = max(r["requant_s"] for r in results)
+        out["kv_calibration_s"] = max(r["kv_calibration_s"] for r in results)
+        return out
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """`method(*args)` on every worker (stats, state, update_weights, ping)."""
+        return self.wait([getattr(w, method).remote(*args) for w in self.workers], method)
+
+    def shutdown(self) -> None:
+        """Stop the workers (and the local Ray instance this pool started)."""
+        for w in getattr(self, "workers", []):
+            try:
+                self.ray.kill(w)
+            except Exception as err:  # a dead worker is already gone
+                logger.debug("kill: %s", err)
+        self.workers = []
+        if self.owns_ray:
+            self.ray.shutdown()
+            self.owns_ray = False

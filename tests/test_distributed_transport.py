@@ -1,0 +1,110 @@
+"""Sharding seeds and the weight transport: a gloo broadcast (bf16/fp32 stream or trainer-side
+codes) leaves every worker's codes and scales identical to an in-process `update_weights`."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from distributed_fixtures import ray_instance  # noqa: F401 (fixture)
+from flashrl.core.sampling import SamplingParams
+from flashrl.distributed.rollouts import LocalRollouts
+from flashrl.distributed.sharding import assign, shard_bounds, shard_seed
+from flashrl.engine.engine import Engine
+from flashrl.engine.sampler import stream_seed
+from flashrl.model.weights import iter_checkpoint
+from flashrl.testing import save_tiny_model
+
+
+def test_shard_seed_reproduces_every_requests_stream():
+    for seed in (0, 7, 2**63 - 5):
+        for first in (0, 1, 5, 1000):
+            for i, j in ((0, 0), (3, 2), (17, 7)):
+                assert stream_seed(shard_seed(seed, first), i, j) == stream_seed(seed, first + i, j)
+    assert shard_seed(123, 0) == 123  # one shard is exactly today's call
+    assert shard_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert shard_bounds(2, 4) == [(0, 1), (1, 2)]
+    assert assign(5, 2) == [[0, 2, 4], [1, 3]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    old = save_tiny_model(root / "a", "qwen2", tokenizer=True, max_position_embeddings=64)
+    new = save_tiny_model(root / "b", "qwen2", seed=1, tokenizer=True, max_position_embeddings=64)
+    return old, new
+
+
+def engine_factory(path, quant="int8"):
+    """A picklable engine factory (a worker cannot import this test module)."""
+    return functools.partial(
+        Engine,
+        path,
+        quant=quant,
+        dtype="fp32",
+        device="cpu",
+        max_batch=8,
+        max_len=32,
+        progress=False,
+    )
+
+
+def make_engine(path, quant="int8"):
+    return engine_factory(path, quant)()
+
+
+def test_sharded_generation_keeps_tokens_and_one_shard_is_todays_call(models):
+    engine = make_engine(models[0])
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=11)
+    whole = engine.generate(prompts, params)
+    one = LocalRollouts(engine, 1)
+    same = one.collect(one.submit(prompts, params))
+    assert [(r.response_ids, r.logprobs) for r in whole] == [
+        (r.response_ids, r.logprobs) for r in same
+    ]
+    three = LocalRollouts(engine, 3)
+    split = three.collect(three.submit(prompts, params))
+    assert [r.response_ids for r in split] == [r.response_ids for r in whole]
+    assert [(r.prompt_index, r.sample_index) for r in split] == [
+        (i, j) for i in range(4) for j in range(2)
+    ]
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_instance")
+@pytest.mark.parametrize(
+    "payload,dtype",
+    [("stream", torch.bfloat16), ("codes", torch.bfloat16), ("codes", torch.float32)],
+)
+def test_gloo_sync_matches_an_in_process_update(models, payload, dtype):
+    from flashrl.distributed.pool import PoolConfig, WorkerPool
+
+    old, new = models
+    named = [(n, t.to(dtype)) for n, t in iter_checkpoint(new)]
+    reference = make_engine(old)
+    reference.update_weights(named)
+    expected = reference.model.state_dict()
+    factory = engine_factory(old)
+    pool = WorkerPool(
+        factory, PoolConfig(workers=2, payload=payload, bucket_bytes=4099, timeout_s=120)
+    )
+    try:
+        before = pool.call("state")[0]
+        out = pool.sync(named)
+        states = pool.call("state")
+    finally:
+        pool.shutdown()
+    changed = [k for k in expected if not torch.equal(before[k], expected[k])]
+    assert any(k.endswith("weight_scale") for k in changed) and len(changed) > 10
+    for state in states:
+        assert state.keys() == expected.keys()
+        for k, v in expected.items():
+            assert state[k].dtype == v.dtype and torch.equal(state[k], v), k
+    full = sum(t.numel() * t.element_size() for _, t in named)
+    codes = sum(t.numel() + 4 * t.shape[0] for n, t in named if n in pool.quantized)
+    linears = sum(t.numel() * t.element_size() for n, t in named if n in pool.quantized)
+    assert out["sync/bytes"] == (full if payload == "stream" else full - linears + codes)
+    assert out["worker1/requant_s"] > 0
