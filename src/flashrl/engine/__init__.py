@@ -3,5 +3,6 @@ continuous batching, exact sampling logprobs and in-place weight sync."""
 
 from flashrl.core.sampling import SamplingParams
 from flashrl.engine.engine import Engine
+from flashrl.engine.options import EngineConfig
 
-__all__ = ["Engine", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "SamplingParams"]

@@ -17,22 +17,23 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from flashrl.core.config import RolloutConfig, resolve_config
-from flashrl.core.device import peak_memory_bytes, resolve_device, resolve_dtype
+from flashrl.core.device import peak_memory_bytes
 from flashrl.core.env import from_env
 from flashrl.core.rollout import Rollout
 from flashrl.core.sampling import SamplingParams, replay_processed_logprobs
 from flashrl.engine import inputs, scoring
-from flashrl.engine.generation import GenerateProgress, build_requests, to_rollouts
+from flashrl.engine.generation import Counters, GenerateProgress, build_requests, to_rollouts
 from flashrl.engine.kv_cache import KVCache
-from flashrl.engine.options import DEFAULT_MAX_PREFILL_TOKENS, EngineOptions
+from flashrl.engine.options import EngineConfig, EngineOptions
 from flashrl.engine.runner import ModelRunner
 from flashrl.engine.sampler import SampledTokens, SamplingTables
-from flashrl.engine.scheduler import Request, Scheduler, Step
-from flashrl.errors import InputError, WeightError
+from flashrl.engine.scheduler import Request, Scheduler, Step, sample_into
+from flashrl.errors import ConfigError, InputError
 from flashrl.model.config import ModelConfig
 from flashrl.model.decoder import Decoder
 from flashrl.model.kv_calibration import KVScales
@@ -41,13 +42,7 @@ from flashrl.model.weights import WeightMap
 from flashrl.quant.linear import model_nbytes
 from flashrl.utils import synchronize
 
-__all__ = [
-    "DEFAULT_MAX_PREFILL_TOKENS",
-    "Engine",
-    "peak_memory_bytes",
-    "resolve_device",
-    "resolve_dtype",
-]
+__all__ = ["Engine", "EngineConfig"]
 
 SampleObserver = Callable[[SampledTokens], None]
 
@@ -58,68 +53,37 @@ class Engine:
     def __init__(
         self,
         model_dir: str | Path,
-        quant: str | RolloutConfig | None = None,
-        dtype: str | torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        lm_head_fp32: bool | None = None,
-        max_batch: int | None = None,
-        max_len: int | None = None,
-        skip: Sequence[str] | None = None,
-        seed: int | None = None,
-        progress: bool = True,
-        load_weights: bool = True,
-        kv_cache_dtype: str | None = None,
-        kv_scale: str | float | None = None,
-        kv_scale_granularity: str | None = None,
-        kv_cache_memory: int | None = None,
-        decode_compile: str | None = None,
-        decode_buckets: bool | None = None,
-        max_prefill_tokens: int | None = None,
+        rollout_config: str | RolloutConfig | None = None,
+        engine_config: EngineConfig | None = None,
+        **overrides: Any,
     ) -> None:
-        """Load the checkpoint in `model_dir` with weights quantized by `quant` (a scheme name, a
-        YAML path or a `RolloutConfig`; default: FLASHRL_CONFIG, else bf16). `max_batch` sequences
-        (default 64) of at most `max_len` tokens (prompt + response) fit in the KV cache;
-        alternatively `kv_cache_memory` (bytes) sizes the cache and `max_batch` follows from it.
-        `load_weights=False` leaves the weights uninitialised (see `init_random_weights_`).
+        """Load the checkpoint in `model_dir`, its linear layers quantized as `rollout_config` says
+        (a scheme name, a YAML path or a `RolloutConfig`; default: FLASHRL_CONFIG, else bf16), run as
+        `engine_config` says (`EngineConfig`: device, dtype, KV-cache size, compilation).
 
-        `lm_head_fp32`, `skip`, `kv_cache_dtype` (``bf16`` | ``fp8``) and `kv_scale`
-        (``calibrated`` | ``dynamic`` | a positive float) override the config's fields;
-        `kv_scale_granularity` (``layer``, default, or ``head``) picks one static scale per layer
-        or per kv head (``dynamic`` scales are per token and head).
-
-        `decode_compile` (None: eager; ``default``, ``reduce-overhead``, ``max-autotune``,
-        ``max-autotune-no-cudagraphs``) compiles the decode step's forward with `torch.compile`;
-        ``reduce-overhead`` captures a CUDA graph per shape bucket (CUDA only). `decode_buckets`
-        pads each decode step to a small set of shapes (default: on exactly when compiled). See
-        `flashrl.engine.decode` and docs/engine.md.
-
-        `max_prefill_tokens` caps the padded prompt tokens of one prefill forward (default
-        `DEFAULT_MAX_PREFILL_TOKENS`); admitted prompts beyond it are prefilled in further
-        forwards. (Over 60 lines only for these documented keyword arguments; `EngineOptions`
-        checks them.)
+        Keyword `overrides` are shorthand: an `EngineConfig` field (``max_batch=8``) or one of the
+        `RolloutConfig` fields ``lm_head_fp32``, ``skip``, ``kv_cache_dtype`` (``bf16`` | ``fp8``)
+        and ``kv_scale`` (``calibrated`` | ``dynamic`` | a positive float); ``quant=`` is
+        `rollout_config` under its older name. Anything else is a `ConfigError`.
         """
+        if "quant" in overrides:
+            if rollout_config is not None:
+                raise ConfigError("give rollout_config or quant, not both (quant is its old name)")
+            rollout_config = overrides.pop("quant")
+        engine, rollout_overrides = EngineConfig.split_overrides(engine_config, overrides)
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
-        config = resolve_config(quant, source="quant") if quant is not None else from_env()
-        overrides = dict(
-            lm_head_fp32=lm_head_fp32,
-            skip=tuple(skip) if skip is not None else None,
-            kv_cache_dtype=kv_cache_dtype,
-            kv_scale=kv_scale,
+        config = (
+            resolve_config(rollout_config, source="rollout_config")
+            if rollout_config is not None
+            else from_env()
         )
+        if rollout_overrides.get("skip") is not None:
+            rollout_overrides["skip"] = tuple(rollout_overrides["skip"])
         opts = EngineOptions.resolve(
-            self.model_dir,
-            self.model_config,
-            config or RolloutConfig(),
-            overrides,
-            kv_scale_granularity=kv_scale_granularity,
-            device=device,
-            dtype=dtype,
-            max_batch=max_batch,
-            max_len=max_len,
-            kv_cache_memory=kv_cache_memory,
-            max_prefill_tokens=max_prefill_tokens,
+            self.model_dir, self.model_config, config or RolloutConfig(), rollout_overrides, engine
         )
+        self.engine_config = engine
         self.config, self.kv_scale_granularity = opts.config, opts.kv_scale_granularity
         self.kv = KVScaleState(
             self.config.kv_cache_dtype, self.config.kv_scale, opts.kv_scale_granularity
@@ -128,8 +92,8 @@ class Engine:
         self.device, self.dtype = opts.device, opts.dtype
         self.max_len, self.max_batch = opts.max_len, opts.max_batch
         self.max_prefill_tokens = opts.max_prefill_tokens
-        self.progress, self.seed = progress, seed
-        self._load(load_weights, decode_compile, decode_buckets)
+        self.progress, self.seed = engine.progress, engine.seed
+        self._load(engine.load_weights, engine.decode_compile, engine.decode_buckets)
 
     def _load(
         self, load_weights: bool, decode_compile: str | None, decode_buckets: bool | None
@@ -162,23 +126,7 @@ class Engine:
         self.tokenizer = inputs.load_tokenizer(self.model_dir)
         self.eos_token_ids = inputs.eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
         self._observers: list[SampleObserver] = []
-        self._stats: dict[str, float] = dict(
-            load_s=time.perf_counter() - start,
-            generate_calls=0,
-            prompts=0,
-            sequences=0,
-            prompt_tokens=0,
-            generated_tokens=0,
-            generate_s=0.0,
-            prefill_forwards=0,
-            prefill_s=0.0,
-            decode_s=0.0,
-            decode_steps=0,
-            weight_updates=0,
-            sync_s=0.0,
-            transfer_s=0.0,
-            requant_s=0.0,
-        )
+        self._stats = Counters(load_s=time.perf_counter() - start)
 
     # ------------------------------------------------------------------ weights
 
@@ -216,14 +164,9 @@ class Engine:
         sequences (before any generate, the next generate calibrates on its prompts): send a whole
         update in one call rather than tensor by tensor.
         """
-        items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-        for i, item in enumerate(items):
-            if not isinstance(item, tuple | list) or len(item) != 2:
-                raise WeightError(
-                    f"update_weights item {i} must be a (name, tensor) pair, "
-                    f"got {type(item).__name__}"
-                )
-            self.weights.check(*item)
+        items = inputs.named_tensor_pairs(named_tensors)
+        for name, tensor in items:
+            self.weights.check(name, tensor)
         start = time.perf_counter()
         transfer, requant, changed = self.weights.write(items, self.device, count_changed)
         self.kv.weights_changed()
@@ -235,13 +178,9 @@ class Engine:
             total_s=time.perf_counter() - start,
             tensors=float(len(items)),
         )
-        for key, value in (
-            ("transfer_s", transfer),
-            ("requant_s", requant),
-            ("weight_updates", 1),
-            ("sync_s", result["total_s"]),
-        ):
-            self._stats[key] += value
+        self._stats.add(
+            transfer_s=transfer, requant_s=requant, weight_updates=1, sync_s=result["total_s"]
+        )
         if count_changed:
             codes = self.weights.quantized_codes()
             result["codes_changed_frac"] = changed / codes if codes else 0.0
@@ -314,7 +253,7 @@ class Engine:
             set() if params.ignore_eos else set(self.eos_token_ids)
         )
         progress = GenerateProgress(
-            len(encoded) * params.n, self.progress, lambda: self._stats["generated_tokens"]
+            len(encoded) * params.n, self.progress, lambda: self._stats.values["generated_tokens"]
         )
         while scheduler.has_work:
             self._run(scheduler.schedule(), cache, params)
@@ -324,13 +263,12 @@ class Engine:
         if self.kv.calibrated:  # the calibration set: sample 0 of every prompt first
             ordered = sorted(done, key=lambda r: (r.sample_index, r.prompt_index))
             self.kv.remember([r.prompt_ids + r.response for r in ordered])
-        for key, value in (
-            ("generate_calls", 1),
-            ("prompts", len(encoded)),
-            ("sequences", len(done)),
-            ("generate_s", time.perf_counter() - start),
-        ):
-            self._stats[key] += value
+        self._stats.add(
+            generate_calls=1,
+            prompts=len(encoded),
+            sequences=len(done),
+            generate_s=time.perf_counter() - start,
+        )
         return to_rollouts(done, tables, params, self.tokenizer)
 
     def _run(self, step: Step, cache: KVCache, params: SamplingParams) -> None:
@@ -342,40 +280,27 @@ class Engine:
                 cache, prompts, [len(g) for g in step.groups], step.first_slot
             )
             self._record(step.requests, logits, params)
-            self._stats["prompt_tokens"] += sum(map(len, prompts))
-            self._stats["prefill_forwards"] += 1
-            self._stats["prefill_s"] += time.perf_counter() - start
+            self._stats.add(
+                prompt_tokens=sum(map(len, prompts)),
+                prefill_forwards=1,
+                prefill_s=time.perf_counter() - start,
+            )
         else:
             active = step.requests
             logits = self.decode(
                 cache, [r.response[-1] for r in active], [r.cache_len for r in active]
             )
             self._record(active, logits, params)
-            self._stats["decode_steps"] += 1
-            self._stats["decode_s"] += time.perf_counter() - start
+            self._stats.add(decode_steps=1, decode_s=time.perf_counter() - start)
 
     def _record(
         self, requests: list[Request], logits: torch.Tensor, params: SamplingParams
     ) -> None:
-        """Sample one token for each request from its row of `logits`, append it, and show the
-        step to the sample observers."""
-        steps = [len(r.response) for r in requests]
-        out = requests[0].tables.sample(logits, params, [r.index for r in requests], steps)
-        tokens = out.tokens.tolist()
-        for r, token in zip(requests, tokens):
-            r.response.append(token)
-        self._stats["generated_tokens"] += len(requests)
-        if self._observers:
-            record = SampledTokens(
-                prompt_index=tuple(r.prompt_index for r in requests),
-                sample_index=tuple(r.sample_index for r in requests),
-                step=tuple(steps),
-                logits=logits,
-                tokens=tuple(tokens),
-                logprobs=out.logprobs,
-            )
-            for fn in list(self._observers):
-                fn(record)
+        """Sample and append one token per request, then show the step to the sample observers."""
+        record = sample_into(requests, logits, params)
+        self._stats.add(generated_tokens=len(requests))
+        for fn in list(self._observers):
+            fn(record)
 
     # ------------------------------------------------------------------ scoring
 
@@ -386,11 +311,7 @@ class Engine:
     def logits(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, vocab] of a full causal forward over one sequence (no cache, so an fp8 KV
         cache plays no part; `cached_logits` includes it)."""
-        ids = inputs.check_token_ids(token_ids, "sequence", self.model_config.vocab_size)
-        if not 1 <= len(ids) <= self.max_len:
-            raise InputError(
-                f"sequence has {len(ids)} tokens; allowed: 1 to max_len={self.max_len}"
-            )
+        ids = inputs.check_sequence(token_ids, self.model_config.vocab_size, self.max_len)
         return self.model(torch.tensor(ids, dtype=torch.long, device=self.device).reshape(1, -1))[0]
 
     @torch.no_grad()
@@ -460,7 +381,7 @@ class Engine:
         shapes run: buckets when bucketed), the KV-scale state (`KVScaleState.stats`), the
         cache's (`KVCache.stats`: scales, clipped values), ``kv_bytes_per_token`` and
         ``kv_capacity_tokens``."""
-        s = dict(self._stats)
+        s = dict(self._stats.values)
         s.update(self.kv.stats())
         s["tokens_per_s"] = s["generated_tokens"] / s["generate_s"] if s["generate_s"] else 0.0
         s["decode_tokens_per_s"] = s["generated_tokens"] / s["decode_s"] if s["decode_s"] else 0.0

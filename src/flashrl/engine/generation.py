@@ -83,3 +83,23 @@ class GenerateProgress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+class Counters:
+    """The engine's running totals (counts and seconds) that `Engine.stats` reports."""
+
+    NAMES = (
+        "load_s", "generate_calls", "prompts", "sequences", "prompt_tokens", "generated_tokens",
+        "generate_s", "prefill_forwards", "prefill_s", "decode_s", "decode_steps",
+        "weight_updates", "sync_s", "transfer_s", "requant_s",
+    )  # fmt: skip
+
+    def __init__(self, **initial: float) -> None:
+        self.values: dict[str, float] = dict.fromkeys(self.NAMES, 0.0)
+        self.add(**initial)
+
+    def add(self, **amounts: float) -> None:
+        """Add each amount to its total (a name outside `NAMES` is an internal bug)."""
+        for name, amount in amounts.items():
+            assert name in self.values, name
+            self.values[name] += amount

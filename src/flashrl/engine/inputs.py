@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from flashrl.core.sampling import SamplingParams, is_integer
-from flashrl.errors import CheckpointError, ConfigError, InputError
+from flashrl.errors import CheckpointError, ConfigError, InputError, WeightError
 from flashrl.model.config import TOKEN_IDS_ALLOWED, ModelConfig, read_json, token_ids
 
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
@@ -166,3 +166,23 @@ def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer: Any) -> tuple
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))
+
+
+def check_sequence(token_ids: object, vocab_size: int, max_len: int) -> list[int]:
+    """One whole sequence of token ids (`check_token_ids`) of 1 to `max_len` tokens."""
+    ids = check_token_ids(token_ids, "sequence", vocab_size)
+    if not 1 <= len(ids) <= max_len:
+        raise InputError(f"sequence has {len(ids)} tokens; allowed: 1 to max_len={max_len}")
+    return ids
+
+
+def named_tensor_pairs(named_tensors: object) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a dict or an iterable of pairs, as a list; an item that is not a
+    pair is a `WeightError` naming its index (the tensors themselves are checked by the caller)."""
+    items = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+    for i, item in enumerate(items):
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise WeightError(
+                f"update_weights item {i} must be a (name, tensor) pair, got {type(item).__name__}"
+            )
+    return [tuple(item) for item in items]

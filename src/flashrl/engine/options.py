@@ -8,6 +8,7 @@ device: `UnsupportedError`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,58 @@ otherwise."""
 DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_LEN = 4096
 """`max_len` default, or the model's max_position_embeddings when smaller."""
+
+
+ROLLOUT_OVERRIDES = ("lm_head_fp32", "skip", "kv_cache_dtype", "kv_scale")
+"""`RolloutConfig` fields that `Engine(..., **overrides)` may set directly."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the built-in engine runs (what it quantizes is the `RolloutConfig`). None: the default
+    named in each field's docstring."""
+
+    device: str | torch.device | None = None
+    """``cpu``, ``cuda`` or ``cuda:N``; default: CUDA when available."""
+    dtype: str | torch.dtype | None = None
+    """Activation dtype (bf16, fp16, fp32); default bf16."""
+    max_batch: int | None = None
+    """Sequences the KV cache holds at once (default 64)."""
+    max_len: int | None = None
+    """Tokens per sequence, prompt + response (default min(4096, max_position_embeddings))."""
+    kv_cache_memory: int | None = None
+    """Bytes of KV cache; `max_batch` then follows from it (give one of the two)."""
+    max_prefill_tokens: int | None = None
+    """Padded prompt tokens per prefill forward (default 16384); more prompts take more forwards."""
+    kv_scale_granularity: str | None = None
+    """Static fp8 KV scales per ``layer`` (default) or per kv ``head``."""
+    decode_compile: str | None = None
+    """None (eager), ``default``, ``reduce-overhead`` (CUDA graphs per shape bucket, CUDA only),
+    ``max-autotune``, ``max-autotune-no-cudagraphs``: `torch.compile` of the decode forward."""
+    decode_buckets: bool | None = None
+    """Pad each decode step to a small set of shapes (default: on exactly when compiled)."""
+    seed: int | None = None
+    progress: bool = True
+    """Show a progress bar on long `generate` calls."""
+    load_weights: bool = True
+    """False leaves the weights uninitialised (see `Engine.init_random_weights_`)."""
+
+    @classmethod
+    def split_overrides(
+        cls, base: EngineConfig | None, overrides: dict[str, Any]
+    ) -> tuple[EngineConfig, dict[str, Any]]:
+        """`base` with the `overrides` that name its fields applied, and the `RolloutConfig`
+        overrides (`ROLLOUT_OVERRIDES`); any other name is a `ConfigError`."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields - set(ROLLOUT_OVERRIDES))
+        if unknown:
+            raise ConfigError(
+                f"Engine got unknown argument(s) {unknown}; allowed: EngineConfig fields "
+                f"{sorted(fields)} and RolloutConfig overrides {list(ROLLOUT_OVERRIDES)}"
+            )
+        engine = {k: v for k, v in overrides.items() if k in fields}
+        rollout = {k: v for k, v in overrides.items() if k in ROLLOUT_OVERRIDES}
+        return dataclasses.replace(base or cls(), **engine), rollout
 
 
 def _positive_int(value: object) -> bool:
@@ -53,15 +106,20 @@ class EngineOptions:
         model_config: ModelConfig,
         config: RolloutConfig,
         overrides: dict[str, Any],
-        kv_scale_granularity: str | None,
-        device: str | torch.device | None,
-        dtype: str | torch.dtype | None,
-        max_batch: int | None,
-        max_len: int | None,
-        kv_cache_memory: int | None,
-        max_prefill_tokens: int | None,
+        engine: EngineConfig,
     ) -> EngineOptions:
         """Apply the non-None `overrides` (fields of `config`) and check every size."""
+        kv_scale_granularity, device, dtype = (
+            engine.kv_scale_granularity,
+            engine.device,
+            engine.dtype,
+        )
+        max_batch, max_len, kv_cache_memory = (
+            engine.max_batch,
+            engine.max_len,
+            engine.kv_cache_memory,
+        )
+        max_prefill_tokens = engine.max_prefill_tokens
         given = {k: v for k, v in overrides.items() if v is not None}
         if given:
             config = RolloutConfig.from_dict({**config.to_dict(), **given})

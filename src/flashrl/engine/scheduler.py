@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashrl.engine.sampler import SamplingTables
+from flashrl.core.sampling import SamplingParams
+from flashrl.engine.sampler import SampledTokens, SamplingTables
 
 
 @dataclass
@@ -137,3 +138,23 @@ def _finish(request: Request, stop_ids: set[int]) -> bool:
     elif len(request.response) >= request.max_new:
         request.finish_reason = "length"
     return request.finish_reason is not None
+
+
+def sample_into(
+    requests: list[Request], logits: torch.Tensor, params: SamplingParams
+) -> SampledTokens:
+    """Sample one token for each request from its row of `logits` (the requests' own random
+    streams) and append it to the request's response. Returns the step as a `SampledTokens`."""
+    steps = [len(r.response) for r in requests]
+    out = requests[0].tables.sample(logits, params, [r.index for r in requests], steps)
+    tokens = out.tokens.tolist()
+    for r, token in zip(requests, tokens):
+        r.response.append(token)
+    return SampledTokens(
+        prompt_index=tuple(r.prompt_index for r in requests),
+        sample_index=tuple(r.sample_index for r in requests),
+        step=tuple(steps),
+        logits=logits,
+        tokens=tuple(tokens),
+        logprobs=out.logprobs,
+    )
