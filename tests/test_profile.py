@@ -29,7 +29,6 @@ from flashrl.tools.profile import (
     DEFAULT_THRESHOLD,
     SCHEMA_VERSION,
     ProfileConfig,
-    kv_cache_dtype_supported,
     run_profile,
 )
 from flashrl.tools.profile_metrics import recommend_skip, shard_names
@@ -424,9 +423,7 @@ def test_prompts_files_and_random_ids(outlier_model, tiny_models, tmp_path):
     common = dict(model=str(outlier_model), quant="int8", device="cpu", max_new_tokens=4)
     doc = run_profile(ProfileConfig(prompts=str(text), **common)).to_dict()
     assert doc["calibration"]["source"] == "file" and doc["calibration"]["num_sequences"] == 3
-    assert (
-        run_profile(ProfileConfig(prompts=str(jsonl), **common)).calibration["num_sequences"] == 3
-    )
+    assert run_profile(ProfileConfig(prompts=str(jsonl), **common)).calibration.num_sequences == 3
     bad = tmp_path / "bad.jsonl"
     bad.write_text('"ok"\n{"question": 1}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: expected a JSON string or an object"):
@@ -482,14 +479,10 @@ def test_profile_cli_errors(tiny_models, argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_kv_cache_dtype_fp8(outlier_model, monkeypatch):
+def test_kv_cache_dtype_fp8(outlier_model):
     cfg = ProfileConfig(
         model=str(outlier_model), quant="int8", device="cpu", kv_cache_dtype="fp8", max_new_tokens=8
     )
-    if not kv_cache_dtype_supported():
-        with pytest.raises(ValueError, match="fp8 KV cache is not available in this build"):
-            run_profile(cfg)
-        return
     doc = run_profile(cfg).to_dict()
     kv = doc["kv_cache"]
     assert kv["dtype"] == "fp8" and kv["kv_scale"] == "calibrated"
@@ -502,10 +495,6 @@ def test_kv_cache_dtype_fp8(outlier_model, monkeypatch):
     )
     config, _ = build_setup(doc)
     assert config.kv_cache_dtype == "fp8" and config.kv_scale == "calibrated"
-    # A build without the fp8 KV cache refuses instead of silently profiling a bf16 cache.
-    monkeypatch.setattr("flashrl.tools.profile.kv_cache_dtype_supported", lambda: False)
-    with pytest.raises(ValueError, match="fp8 KV cache is not available in this build"):
-        run_profile(cfg)
 
 
 def test_lm_head_fp32_is_profiled_and_written(outlier_model, tmp_path):

@@ -39,10 +39,8 @@ rollout config.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import gc
-import inspect
 import json
 import logging
 import math
@@ -65,12 +63,20 @@ from flashrl.model.config import ModelConfig
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.quant.schemes import SCHEMES, parse_scheme_list
 from flashrl.tools.calibration_prompts import calibration_prompts, read_prompts_file
-from flashrl.tools.checks import strict_json
 from flashrl.tools.profile_metrics import (
     distribution_mismatch,
     layer_errors,
     recommend_skip,
     sampled_mismatch,
+)
+from flashrl.tools.profile_schema import (
+    CalibrationSummary,
+    KVCacheProfile,
+    ModelSummary,
+    ProfileResult,
+    ProfileSettings,
+    SchemeProfile,
+    WeightMemory,
 )
 from flashrl.tools.verify_context import scheme_unsupported_reason
 from flashrl.utils import device_name
@@ -150,40 +156,9 @@ class ProfileConfig:
             read_prompts_file(self.prompts)  # a bad file fails before any model is loaded
 
 
-@dataclass
-class ProfileResult:
-    """The profile of one model (`run_profile`); `to_dict` is the JSON document, field by field
-    in docs/profile.md. Nested values are that document's JSON objects."""
-
-    schema_version: int
-    flashrl_version: str
-    created: str
-    model: dict[str, Any]
-    device: str
-    device_name: str
-    dtype: str
-    settings: dict[str, Any]
-    calibration: dict[str, Any]
-    layers: list[dict[str, Any]]
-    baseline: dict[str, Any]
-    schemes: dict[str, Any]
-    kv_cache: dict[str, Any] | None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON document (non-finite numbers as None: strict JSON)."""
-        return strict_json(dataclasses.asdict(self))
-
-
 # ------------------------------------------------------------------------------------------------
 # engines and calibration data
 # ------------------------------------------------------------------------------------------------
-
-
-def kv_cache_dtype_supported() -> bool:
-    """Whether this build's `Engine` takes ``kv_cache_dtype`` (the fp8 KV cache)."""
-    return "kv_cache_dtype" in inspect.signature(Engine).parameters and hasattr(
-        Engine, "kv_cache_mismatch"
-    )
 
 
 def make_engine(
@@ -251,7 +226,7 @@ class _Calibration:
 
 def _scheme_entry(
     cal: _Calibration, scheme: str, layers: list[dict[str, Any]], bf16_bytes: int
-) -> dict[str, Any]:
+) -> SchemeProfile:
     """``schemes.<scheme>`` of the document: errors, the skip recommendation, the mismatch before
     and after skipping, memory."""
     cfg, kv = cal.cfg, cal.cfg.kv_cache_dtype
@@ -261,49 +236,47 @@ def _scheme_entry(
     recommended = [name for f in flagged for name in f["names"]]
     skip = list(DEFAULT_SKIP) + recommended
     engine = make_engine(cfg, scheme, DEFAULT_SKIP, cal.max_len, kv)
-    memory = {
-        "weight_bytes_bf16": bf16_bytes,
-        "weight_bytes": engine.weight_nbytes(),
-        "weight_bytes_after_skip": None,
-    }
-    entry: dict[str, Any] = {
-        "output_error_median": float(torch.tensor(errors).median()),
-        "output_error_max": max(errors),
-        "flagged": flagged,
-        "recommended_skip": recommended,
-        "skip": skip,
-        "mismatch": cal.mismatch(engine),
-        "mismatch_after_skip": None,
-        "memory": memory,
-    }
+    weight_bytes = engine.weight_nbytes()
+    mismatch = cal.mismatch(engine)
     engine = None
     _free()
+    after_skip, bytes_after_skip = None, weight_bytes
     if recommended:
         engine = make_engine(cfg, scheme, skip, cal.max_len, kv)
-        entry["mismatch_after_skip"] = cal.mismatch(engine)
-        memory["weight_bytes_after_skip"] = engine.weight_nbytes()
+        after_skip, bytes_after_skip = cal.mismatch(engine), engine.weight_nbytes()
         engine = None
         _free()
-    else:
-        memory["weight_bytes_after_skip"] = memory["weight_bytes"]
-    memory["ratio"] = memory["weight_bytes"] / bf16_bytes
-    memory["ratio_after_skip"] = memory["weight_bytes_after_skip"] / bf16_bytes
-    return entry
+    return SchemeProfile(
+        output_error_median=float(torch.tensor(errors).median()),
+        output_error_max=max(errors),
+        flagged=flagged,
+        recommended_skip=recommended,
+        skip=skip,
+        mismatch=mismatch,
+        mismatch_after_skip=after_skip,
+        memory=WeightMemory(
+            weight_bytes_bf16=bf16_bytes,
+            weight_bytes=weight_bytes,
+            weight_bytes_after_skip=bytes_after_skip,
+            ratio=weight_bytes / bf16_bytes,
+            ratio_after_skip=bytes_after_skip / bf16_bytes,
+        ),
+    )
 
 
-def _kv_cache_entry(cal: _Calibration) -> dict[str, Any]:
+def _kv_cache_entry(cal: _Calibration) -> KVCacheProfile:
     """``kv_cache`` of the document: bf16 weights with the quantized KV cache."""
     kv = cal.cfg.kv_cache_dtype
     engine = make_engine(cal.cfg, "bf16", DEFAULT_SKIP, cal.max_len, kv)
     kv_only = cal.mismatch(engine)
     del kv_only["exact"]  # bf16 weights: the no-cache forward is the reference itself
-    entry = {
-        "dtype": kv,
-        "kv_scale": engine.config.kv_scale,
-        "bytes_per_token_bf16": cal.reference.kv_bytes_per_token(),
-        "bytes_per_token": engine.kv_bytes_per_token(),
-        "kv_only": kv_only,
-    }
+    entry = KVCacheProfile(
+        dtype=kv,
+        kv_scale=engine.config.kv_scale,
+        bytes_per_token_bf16=cal.reference.kv_bytes_per_token(),
+        bytes_per_token=engine.kv_bytes_per_token(),
+        kv_only=kv_only,
+    )
     engine = None
     _free()
     return entry
@@ -311,7 +284,7 @@ def _kv_cache_entry(cal: _Calibration) -> dict[str, Any]:
 
 def _calibrate(
     cfg: ProfileConfig, model_config: ModelConfig
-) -> tuple[_Calibration, dict[str, Any]]:
+) -> tuple[_Calibration, CalibrationSummary]:
     """The bf16 reference engine, the calibration prompts and its responses to them."""
     # Prompt and response budgets within the model's context.
     max_new = min(cfg.max_new_tokens, max(1, model_config.max_position_embeddings // 2))
@@ -330,13 +303,14 @@ def _calibrate(
         cfg, reference, prompts, params, reference.generate(prompts, params), max_prompt + max_new
     )
     sequences = cal.sequences
-    calibration.update(
+    summary = CalibrationSummary(
+        **calibration,
         num_sequences=len(sequences),
         prompt_tokens=sum(len(p) for p in prompts),
         response_tokens=sum(len(r.response_ids) for r in cal.rollouts),
         positions=sum(len(s) for s in sequences),
     )
-    return cal, calibration
+    return cal, summary
 
 
 def run_profile(cfg: ProfileConfig) -> ProfileResult:
@@ -344,14 +318,8 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     cfg.check()
     schemes = cfg.schemes()
     model_config = ModelConfig.from_model_dir(cfg.model)  # clear errors for a bad directory
-    if cfg.kv_cache_dtype != "bf16" and not kv_cache_dtype_supported():
-        raise UnsupportedError(
-            f"--kv-cache-dtype {cfg.kv_cache_dtype}: the fp8 KV cache is not "
-            f"available in this build of flashrl (Engine has no kv_cache_dtype "
-            f"argument or no kv_cache_mismatch); profile without it"
-        )
     cal, calibration = _calibrate(cfg, model_config)
-    logger.info("profile: per-layer errors over %d tokens", calibration["positions"])
+    logger.info("profile: per-layer errors over %d tokens", calibration.positions)
     layers = layer_errors(cal.reference, cal.sequences, schemes)
     bf16_bytes = cal.reference.weight_nbytes()
     device = cal.reference.device
@@ -360,32 +328,30 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
         schema_version=SCHEMA_VERSION,
         flashrl_version=flashrl.__version__,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        model={
-            "path": str(Path(cfg.model).resolve()),
-            "family": c.family,
-            "num_layers": c.num_layers,
-            "hidden_size": c.hidden_size,
-            "vocab_size": c.vocab_size,
-            "tie_word_embeddings": c.tie_word_embeddings,
-        },
+        model=ModelSummary(
+            path=str(Path(cfg.model).resolve()),
+            family=c.family,
+            num_layers=c.num_layers,
+            hidden_size=c.hidden_size,
+            vocab_size=c.vocab_size,
+            tie_word_embeddings=c.tie_word_embeddings,
+        ),
         device=str(device),
         device_name=device_name(device),
         dtype=cfg.dtype,
-        settings={
-            "schemes": schemes,
-            "threshold": float(cfg.threshold),
-            "kv_cache_dtype": cfg.kv_cache_dtype,
-            "lm_head_fp32": cfg.lm_head_fp32,
-            "seed": cfg.seed,
-            "max_prompt_tokens": cal.max_len - cal.params.max_tokens,
-            "max_new_tokens": cal.params.max_tokens,
-            "temperature": cfg.temperature,
-        },
+        settings=ProfileSettings(
+            schemes=schemes,
+            threshold=float(cfg.threshold),
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            lm_head_fp32=cfg.lm_head_fp32,
+            seed=cfg.seed,
+            max_prompt_tokens=cal.max_len - cal.params.max_tokens,
+            max_new_tokens=cal.params.max_tokens,
+            temperature=cfg.temperature,
+        ),
         calibration=calibration,
         layers=layers,
         baseline={"sampled": sampled_mismatch(cal.reference, cal.rollouts, cfg.temperature)},
-        schemes={},
-        kv_cache=None,
     )
     for scheme in schemes:
         result.schemes[scheme] = _scheme_entry(cal, scheme, layers, bf16_bytes)
