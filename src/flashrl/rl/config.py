@@ -29,8 +29,8 @@ from flashrl.core.config import RolloutConfig
 from flashrl.correction import AGGREGATIONS, CorrectionConfig
 from flashrl.errors import ConfigError
 from flashrl.fileio import atomic_write_text
-from flashrl.quant.schemes import get_scheme
 from flashrl.rl.algo import ADVANTAGES
+from flashrl.rl.compare import compare_variants
 from flashrl.rl.legacy import LEGACY_NAMES
 from flashrl.rl.rewards import REWARDS
 
@@ -52,6 +52,9 @@ RESUME_FREE_FIELDS = (
     "run.max_batch",
     "run.micro_batch_size",
     "run.vllm_kwargs",
+    *(f"run.{name}" for name in ("rollout_workers", "ray_address", "worker_cpus", "worker_gpus")),
+    *(f"run.{name}" for name in ("worker_tp", "worker_threads", "weight_payload", "bucket_mb")),
+    "run.worker_timeout",
 )
 """Fields a resumed run may change freely: the length of the run, the learning rate, where outputs
 go and how the work is laid out on the machine. Every other field changes what the run computes
@@ -106,6 +109,9 @@ class AlgoConfig:
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     dynamic_sampling: bool = False
+    routing_replay: bool = False
+    """MoE models: the trainer's forward uses the experts the rollout engine chose for each token
+    (`flashrl.rl.routing_replay`; built-in engine in the trainer's process)."""
 
 
 @dataclass
@@ -142,6 +148,29 @@ class RunConfig:
     compare: str | None = None
     """Comma-separated rollout precisions to run one after another with the same seed and data,
     e.g. 'bf16,int8,int8-notis,fp8' ('-notis' sets correction.weight none)."""
+    rollout_workers: int = 0
+    """Rollout workers as Ray actors (needs flashrl[ray]); 0 generates in the trainer's process.
+    docs/distributed.md."""
+    rollout_shards: int = 0
+    """generate calls per step (prompts split evenly); rollouts depend on it, not on the number of
+    workers. 0: max(rollout_workers, 1)."""
+    ray_address: str | None = None
+    """None starts a local Ray instance; 'auto' or host:port joins a running cluster."""
+    worker_cpus: float = 1.0
+    worker_gpus: float = 0.0
+    worker_tp: int = 1
+    """Tensor-parallel size of each worker's engine (backend 'vllm' only)."""
+    worker_threads: int = 1
+    """torch threads per rollout worker."""
+    weight_payload: str = "stream"
+    """'stream': send the trainer's weights, workers re-quantize; 'codes': quantize once on the
+    trainer, send codes + scales (identical codes, about half the bytes of bf16)."""
+    bucket_mb: int = 64
+    """Size of one broadcast bucket (the peak extra memory of a sync)."""
+    worker_timeout: float = 600.0
+    """Seconds a worker may take for one call (generate, sync) before the run stops naming it."""
+    async_rollouts: bool = False
+    """Generate step t+1 while step t trains (rollouts one step stale; needs rollout_workers)."""
 
     def llm_kwargs(self) -> dict[str, Any]:
         """`vllm_kwargs` parsed (a JSON object)."""
@@ -227,6 +256,7 @@ class TrainConfig:
                 f"run.keep_last={keep!r} must be a positive integer (or none to keep "
                 f"every checkpoint)"
             )
+        self._check_workers()
         self.resume_allowed()
         if r.compare:
             compare_variants(r.compare)
@@ -247,6 +277,24 @@ class TrainConfig:
             )
         if a.group_size < 2 and a.advantage != "drgrpo":
             raise ConfigError(f"algo.advantage={a.advantage!r} needs algo.group_size >= 2")
+
+    def _check_workers(self) -> None:
+        r = self.run
+        for name in ("rollout_workers", "rollout_shards"):
+            value = getattr(r, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"run.{name}={value!r} must be an integer >= 0")
+        if r.weight_payload not in ("stream", "codes"):
+            raise ConfigError(f"run.weight_payload={r.weight_payload!r}; allowed: stream, codes")
+        if r.bucket_mb < 1 or r.worker_timeout <= 0 or r.worker_threads < 1 or r.worker_tp < 1:
+            raise ConfigError(
+                "run.bucket_mb, run.worker_threads and run.worker_tp must be >= 1 and "
+                "run.worker_timeout > 0"
+            )
+        if r.async_rollouts and r.rollout_workers < 1:
+            raise ConfigError("run.async_rollouts needs run.rollout_workers >= 1")
+        if r.worker_tp > 1 and r.backend != "vllm":
+            raise ConfigError("run.worker_tp > 1 needs run.backend=vllm")
 
     def resume_allowed(self) -> set[str] | None:
         """Dotted fields `run.resume_allow_changes` lets differ from the checkpoint's config (None:
@@ -330,38 +378,4 @@ def field_types() -> dict[str, Any]:
     for group, cls in GROUPS.items():
         hints = get_type_hints(cls)
         out.update({f"{group}.{f.name}": hints[f.name] for f in fields(cls)})
-    return out
-
-
-def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
-    """'bf16,int8,int8-notis' -> [(name, dotted overrides)], '-notis' meaning no importance weight
-    (`variant_configs` applies it to TIS weights only, as ``tis_cap: 0`` did). Each variant is one
-    run directory, so a variant listed twice (also in another spelling, e.g. INT8) is a
-    ConfigError."""
-    out, seen = [], {}
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
-        no_tis = item.lower().endswith("-notis")
-        scheme = item[: -len("-notis")] if no_tis else item
-        try:
-            name = get_scheme(scheme).name
-        except ValueError as err:
-            raise ConfigError(f"run.compare={spec!r}: {err}") from None
-        key = name + ("-notis" if no_tis else "")
-        if key in seen:
-            raise ConfigError(
-                f"run.compare={spec!r} lists {key!r} twice ({seen[key]!r} and "
-                f"{item!r}); each variant is one run directory under output_dir: "
-                f"list it once"
-            )
-        seen[key] = item
-        overrides: dict[str, Any] = {"rollout.quant": name}
-        if no_tis:
-            overrides["correction.weight"] = "none"
-        out.append((key, overrides))
-    if not out:
-        raise ConfigError(
-            f"run.compare={spec!r} needs at least one scheme, e.g. bf16,int8,int8-notis"
-        )
     return out

@@ -22,7 +22,7 @@ from flashrl.core.config import RolloutConfig, read_yaml, resolve_config
 from flashrl.correction import CorrectionConfig
 from flashrl.errors import ConfigError
 from flashrl.rl.config import DEFAULT_ROLLOUT, GROUPS, TrainConfig, field_types, flatten
-from flashrl.rl.legacy import TIS_CAP, is_legacy, rename, resolve_tis_cap
+from flashrl.rl.legacy import SHORT_NAMES, TIS_CAP, is_legacy, rename, resolve_tis_cap
 from flashrl.rl.presets import PRESETS
 from flashrl.rl.values import coerce
 
@@ -51,6 +51,8 @@ def layer_values(
     for key, value in layer.items():
         if is_legacy(key, value):
             items.append((rename(key, path or source, warn), value))
+        elif key in SHORT_NAMES:
+            items.append((SHORT_NAMES[key], value))
         elif key in GROUPS and isinstance(value, Mapping):
             items += [(f"{key}.{name}", v) for name, v in value.items()]
         elif key in GROUPS and value is not None:

@@ -92,6 +92,13 @@ LEGACY_NAMES: dict[str, str] = {
     },
 }
 """Old flat name -> new dotted name (``model`` kept its name)."""
+SHORT_NAMES: dict[str, str] = {
+    "rollout_workers": "run.rollout_workers",
+    "ray_address": "run.ray_address",
+    "async_rollouts": "run.async_rollouts",
+}
+"""Short flags of the distributed run (``--rollout-workers 2``, ``--ray-address auto``,
+``--async-rollouts``) as spelled in issue 14: current names, not deprecated."""
 TIS_CAP = "correction.tis_cap"
 """Where a legacy ``tis_cap`` waits until every layer is merged (see `resolve_tis_cap`)."""
 

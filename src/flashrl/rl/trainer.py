@@ -1,6 +1,7 @@
 """The RL loop: GRPO / DAPO with quantized rollouts, per-step weight sync and rollout correction.
 
-One step, top to bottom (trainer and rollout engine live in one process, on a CPU or one GPU):
+One step, top to bottom (the rollout engine in the trainer's process, or in rollout workers on
+Ray with `run.rollout_workers`, docs/distributed.md):
 
 1. Draw `batch_size / group_size` prompts for this step (a pure function of seed and step).
 2. Generate `group_size` responses per prompt with the rollout backend: quantized weights (int8 /
@@ -16,8 +17,8 @@ One step, top to bottom (trainer and rollout engine live in one process, on a CP
 6. PPO-clip loss with clip-higher (and optional dual clip, KL to the initial policy) multiplied by
    the IS weights; gradient accumulation over micro-batches; gradient clipping; optimizer step.
    With `mini_batches > 1` the batch is split into several optimizer steps (off-policy within it).
-7. Weight sync: the trainer's parameters stream by name into the backend, which re-quantizes in
-   place with fresh scales. Each phase's time is logged.
+7. Weight sync: the trainer's parameters stream by name into the backend (or are broadcast to the
+   workers), which re-quantizes in place with fresh scales. Each phase's time is logged.
 
 Outputs in `output_dir`: `metrics.jsonl` (one line per step), `config.yaml`, checkpoints in
 Hugging Face format (`checkpoint-N/`, loadable by the engine and by `transformers`) with the
@@ -49,10 +50,13 @@ from flashrl.rl import algo
 from flashrl.rl import checkpoint as ckpt
 from flashrl.rl.batch import Batch, response_logprobs
 from flashrl.rl.checkpoint import read_metrics  # noqa: F401 (public here too)
-from flashrl.rl.config import RESUME_FREE_FIELDS, TrainConfig
-from flashrl.rl.config_build import stored_values
+from flashrl.rl.config import TrainConfig
 from flashrl.rl.data import ArithmeticTask, Example, FileDataset, PromptSource, render_prompt
+from flashrl.rl.metrics import rollout_metrics
+from flashrl.rl.plan import plan_run
 from flashrl.rl.rewards import get_reward
+from flashrl.rl.routing_replay import build_batch, replay_backend, replay_routing
+from flashrl.rl.workers import make_backend, make_rollouts
 from flashrl.utils import synchronize
 
 logger = logging.getLogger(__name__)
@@ -76,7 +80,7 @@ class Trainer:
                 f"tokenizer.json or tokenizer_config.json); save one with "
                 f"tokenizer.save_pretrained(DIR)"
             )
-        resume_dir, state, damaged, discard = self._plan_run()
+        resume_dir, state, damaged, discard = plan_run(config, self.output_dir)
         source_dir = resume_dir or self.model_dir
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
         dtype = resolve_dtype(config.run.trainer_dtype)
@@ -113,7 +117,10 @@ class Trainer:
         self.step = 0
         if resume_dir is not None:
             self._load_state(resume_dir, state)
-        self.backend = backend or self._make_backend(source_dir)
+        if config.algo.routing_replay:  # MoE: rollouts carry the experts each token used
+            backend = replay_backend(backend, lambda: make_backend(config, source_dir, self.device))
+        self.backend, self.rollouts = make_rollouts(config, source_dir, self.device, backend)
+        self.pending: dict[int, tuple] = {}  # async: step under way -> (examples, handle)
         # every check passed and the models loaded: only now change what is on disk
         ckpt.set_damaged_aside(damaged, resume_dir)
         ckpt.remove(discard, "--run.overwrite")
@@ -127,69 +134,14 @@ class Trainer:
     # ------------------------------------------------------------------ set-up helpers
 
     def _model_dir(self) -> Path:
-        if self.config.model is None:
-            from flashrl.rl.presets import tiny_model_dir
+        if self.config.model is None or self.config.model.startswith("builtin:"):
+            from flashrl.rl.presets import builtin_model_dir
 
-            return tiny_model_dir()
+            return builtin_model_dir(self.config.model)
         path = Path(self.config.model)
         if not path.is_dir():
             raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
         return path
-
-    def _plan_run(self) -> tuple[Path | None, dict | None, list[tuple[Path, str]], list[Path]]:
-        """Check the run directory and the checkpoint to resume before any work; changes nothing on
-        disk.
-
-        Returns (checkpoint to resume or None, its trainer state, damaged newer checkpoints that
-        `--run.resume latest` skipped, paths `overwrite` deletes)."""
-        c, out = self.config.run, self.output_dir
-        if not c.resume:
-            if not c.overwrite:
-                ckpt.refuse_existing_run(out, overwrite=False)
-            return None, None, [], ckpt.run_files(out) if c.overwrite else []
-        damaged: list[tuple[Path, str]] = []
-        if c.resume == "latest":
-            path, state, damaged = ckpt.find_latest(out)
-        else:
-            path = Path(c.resume)
-            state = ckpt.verify_checkpoint(path)
-        self._check_resume_config(path, state["config"])
-        if path.resolve().parent != out.resolve():
-            # resuming another directory's checkpoint: this directory must not hold a run of its own
-            if not c.overwrite:
-                ckpt.refuse_existing_run(out, overwrite=False)
-            return path, state, [], ckpt.run_files(out) if c.overwrite else []
-        skipped = {p for p, _ in damaged}
-        newer = [
-            p for step, p in ckpt.list_checkpoints(out) if step > state["step"] and p not in skipped
-        ]
-        if newer and not c.overwrite:
-            raise CheckpointError(
-                f"--run.resume {c.resume}: {', '.join(p.name for p in newer)} of this "
-                f"run is newer than {path.name}; resuming from {path.name} would "
-                f"discard it: pass --run.overwrite true to delete the newer "
-                f"checkpoints, or --run.resume latest"
-            )
-        return path, state, damaged, newer
-
-    def _check_resume_config(self, path: Path, stored: dict) -> None:
-        """CheckpointError naming every field (outside RESUME_FREE_FIELDS and resume_allow_changes)
-        whose value differs from the config the checkpoint was trained with."""
-        allowed = self.config.resume_allowed()
-        if allowed is None:
-            return
-        diffs = ckpt.config_differences(
-            stored_values(stored), self.config.flat_dict(), set(RESUME_FREE_FIELDS) | allowed
-        )
-        if diffs:
-            names = ",".join(d.split(":")[0] for d in diffs)
-            raise CheckpointError(
-                f"--run.resume {self.config.run.resume}: this config differs from the "
-                f"one {path} was trained with: {'; '.join(diffs)}. These change "
-                f"what the run computes; to continue anyway pass "
-                f"--run.resume-allow-changes {names} (free to change: "
-                f"{', '.join(RESUME_FREE_FIELDS)})"
-            )
 
     def _prompt_source(self) -> PromptSource:
         d, seed = self.config.data, self.config.run.seed
@@ -197,33 +149,6 @@ class Trainer:
             return ArithmeticTask(seed=seed, max_operand=d.task_max_operand, ops=d.task_ops)
         return FileDataset(
             d.path, d.prompt_field, d.answer_field, seed=seed, prompt_template=d.prompt_template
-        )
-
-    def _make_backend(self, model_dir: Path) -> RolloutBackend:
-        a, r = self.config.algo, self.config.run
-        max_len = a.max_prompt_tokens + a.max_response_tokens
-        max_batch = min(r.max_batch, a.batch_size)
-        if r.backend == "vllm":
-            from flashrl.vllm_backend import VLLMBackend
-
-            kwargs = {"max_model_len": max_len, "max_num_seqs": max_batch, **r.llm_kwargs()}
-            return VLLMBackend(
-                model_dir,
-                self.config.rollout,
-                dtype=resolve_dtype(r.rollout_dtype),
-                seed=r.seed,
-                **kwargs,
-            )
-        from flashrl.engine.engine import Engine
-
-        return Engine(
-            model_dir,
-            quant=self.config.rollout,
-            dtype=r.rollout_dtype,
-            device=self.device,
-            max_batch=max_batch,
-            max_len=max_len,
-            progress=False,
         )
 
     # ------------------------------------------------------------------ one step
@@ -239,10 +164,15 @@ class Trainer:
         return out
 
     def rollout(self, step: int) -> tuple[list[Example], list[Rollout]]:
+        """The examples and rollouts of `step` (already under way with async rollouts)."""
+        examples, handle = self.pending.pop(step, None) or self._submit(step)
+        return examples, self.rollouts.collect(handle)
+
+    def _submit(self, step: int) -> tuple[list[Example], object]:
         a = self.config.algo
         examples = self.source.batch(step, a.batch_size // a.group_size)
         params = dataclasses.replace(self.sampling, seed=self.config.run.seed * 1_000_003 + step)
-        return examples, self.backend.generate(self._encode(examples), params)
+        return examples, self.rollouts.submit(self._encode(examples), params)
 
     def rewards(
         self, examples: list[Example], rollouts: list[Rollout]
@@ -262,7 +192,11 @@ class Trainer:
         metrics."""
         c, step, t = self.config.algo, self.step, {}
         start = time.perf_counter()
+        stale = int(step in self.pending)
         examples, rollouts = self.rollout(step)
+        if self.config.run.async_rollouts and step + 1 < self.config.run.steps:
+            # one step ahead: generated by the weights before this step's update
+            self.pending[step + 1] = self._submit(step + 1)
         t["rollout"] = time.perf_counter() - start
 
         mark = time.perf_counter()
@@ -277,17 +211,20 @@ class Trainer:
         t["reward"] = time.perf_counter() - mark
 
         metrics: dict[str, float] = {"step": step}
-        metrics.update(self._rollout_metrics(rollouts, scores, rewards, penalty, keep))
+        if self.config.run.async_rollouts:
+            metrics["rollout/staleness"] = float(stale)
+        metrics.update(rollout_metrics(rollouts, scores, rewards, penalty, keep))
         if keep.any():
-            batch = Batch.build(
+            batch = build_batch(  # a ReplayBatch when the rollouts carry routing
                 [r for r, k in zip(rollouts, keep.tolist()) if k], advantages[keep], self.device
             )
             metrics.update(self._update(batch, t))
             mark = time.perf_counter()
-            sync = self.backend.update_weights(self.policy.named_parameters())
+            sync = self.rollouts.sync(self.policy.named_parameters())
             t["sync_total"] = time.perf_counter() - mark
-            t["sync"], t["requant"] = sync.get("transfer_s", 0.0), sync.get("requant_s", 0.0)
-            t["kv_calibration"] = sync.get("kv_calibration_s", 0.0)
+            if "bytes" in sync:
+                metrics["sync/bytes_sent"] = sync.pop("bytes")
+            t.update(sync)
         else:
             metrics["skipped_update"] = 1.0
         t["step"] = time.perf_counter() - start
@@ -297,20 +234,6 @@ class Trainer:
         metrics["memory/peak_gib"] = peak_memory_bytes(self.device) / 2**30
         self.step += 1
         return metrics
-
-    def _rollout_metrics(self, rollouts, scores, rewards, penalty, keep) -> dict[str, float]:
-        lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
-        return {
-            "reward/mean": rewards.mean().item(),
-            "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
-            "reward/score_mean": scores.float().mean().item(),
-            "reward/overlong_penalty_mean": penalty.mean().item(),
-            "response/length_mean": lengths.mean().item(),
-            "response/length_max": lengths.max().item(),
-            "response/truncated_frac": sum(r.finish_reason == "length" for r in rollouts)
-            / len(rollouts),
-            "batch/kept_frac": keep.float().mean().item(),
-        }
 
     def _update(self, batch: Batch, t: dict[str, float]) -> dict[str, float]:
         c, micro = self.config.algo, self.config.run.micro_batch_size
@@ -387,9 +310,9 @@ class Trainer:
         outs, ents = [], []
         micro = self.config.run.micro_batch_size
         for start in range(0, len(batch), micro):
-            lp, ent = response_logprobs(
-                model, batch.select(slice(start, start + micro)), self.sampling, with_entropy
-            )
+            part = batch.select(slice(start, start + micro))
+            with replay_routing(model, getattr(part, "routed_experts", None)):
+                lp, ent = response_logprobs(model, part, self.sampling, with_entropy)
             outs.append(lp)
             ents.append(ent)
         return torch.cat(outs), (torch.cat(ents) if with_entropy else None)
@@ -405,8 +328,7 @@ class Trainer:
     def train(self) -> list[dict[str, float]]:
         c = self.config.run
         history = []
-        # in a log file (not a terminal) refresh every 10 s instead of filling it with carriage
-        # returns
+        # in a log file (not a terminal) refresh every 10 s, not on every carriage return
         bar = tqdm(
             total=c.steps,
             initial=self.step,
@@ -414,6 +336,23 @@ class Trainer:
             unit="step",
             mininterval=0.1 if sys.stderr.isatty() else 10.0,
         )
+        try:
+            self._loop(bar, history)
+        finally:
+            bar.close()
+            self.close()
+        if history or not (self.output_dir / f"checkpoint-{self.step}").is_dir():
+            # (a resume with nothing left to train keeps the checkpoint it loaded)
+            self.save_checkpoint()
+        return history
+
+    def close(self) -> None:
+        """Release the rollout workers (nothing to do in-process)."""
+        self.pending.clear()
+        self.rollouts.close()
+
+    def _loop(self, bar: tqdm, history: list[dict[str, float]]) -> None:
+        c = self.config.run
         while self.step < c.steps:
             metrics = self.train_step()
             history.append(metrics)
@@ -426,11 +365,6 @@ class Trainer:
             )
             if c.save_every and self.step % c.save_every == 0 and self.step < c.steps:
                 self.save_checkpoint()
-        bar.close()
-        if history or not (self.output_dir / f"checkpoint-{self.step}").is_dir():
-            # (a resume with nothing left to train keeps the checkpoint it loaded)
-            self.save_checkpoint()
-        return history
 
     def save_checkpoint(self) -> Path:
         """HF-format weights + tokenizer + optimizer/trainer state in

@@ -1,0 +1,44 @@
+"""`run.compare`: several rollout precisions run one after another (parsed here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flashrl.errors import ConfigError
+from flashrl.quant.schemes import get_scheme
+
+__all__ = ["compare_variants"]
+
+
+def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
+    """'bf16,int8,int8-notis' -> [(name, dotted overrides)], '-notis' meaning no importance weight
+    (`variant_configs` applies it to TIS weights only, as ``tis_cap: 0`` did). Each variant is one
+    run directory, so a variant listed twice (also in another spelling, e.g. INT8) is a
+    ConfigError."""
+    out, seen = [], {}
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        no_tis = item.lower().endswith("-notis")
+        scheme = item[: -len("-notis")] if no_tis else item
+        try:
+            name = get_scheme(scheme).name
+        except ValueError as err:
+            raise ConfigError(f"run.compare={spec!r}: {err}") from None
+        key = name + ("-notis" if no_tis else "")
+        if key in seen:
+            raise ConfigError(
+                f"run.compare={spec!r} lists {key!r} twice ({seen[key]!r} and "
+                f"{item!r}); each variant is one run directory under output_dir: "
+                f"list it once"
+            )
+        seen[key] = item
+        overrides: dict[str, Any] = {"rollout.quant": name}
+        if no_tis:
+            overrides["correction.weight"] = "none"
+        out.append((key, overrides))
+    if not out:
+        raise ConfigError(
+            f"run.compare={spec!r} needs at least one scheme, e.g. bf16,int8,int8-notis"
+        )
+    return out

@@ -1,0 +1,113 @@
+"""Training with rollout workers on a local Ray instance: the same bits as in-process for 1 and 2
+workers (with a checkpoint and a resume), a killed worker is named and the last checkpoint stays
+loadable, async rollouts run one step stale and still learn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed_fixtures import ray_instance  # noqa: F401 (fixture)
+from flashrl.rl import checkpoint as ckpt
+from flashrl.rl.config_build import build_config
+from flashrl.rl.legacy import LEGACY_NAMES
+from flashrl.rl.trainer import Trainer, read_metrics
+from flashrl.testing import save_tiny_model
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_instance")]
+LAYOUT = ("time/", "throughput/", "memory/", "sync/")
+"""Metric prefixes that describe the machine, not what the run computed."""
+
+
+@pytest.fixture(autouse=True)
+def text_length_reward(monkeypatch):
+    """A reward a random model gets varied scores on (as in test_rl_trainer)."""
+    from flashrl.rl import rewards
+
+    monkeypatch.setitem(rewards.REWARDS, "text_length", lambda response, answer: len(response) / 5)
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    return save_tiny_model(
+        tmp_path_factory.mktemp("policy"), "qwen2", tokenizer=True, max_position_embeddings=64
+    )
+
+
+def config(model_dir, out, **overrides):
+    values = dict(
+        model=str(model_dir),
+        output_dir=str(out),
+        steps=3,
+        batch_size=16,
+        group_size=4,
+        micro_batch_size=8,
+        max_response_tokens=5,
+        task_max_operand=9,
+        plot=False,
+        lr=1e-2,
+        device="cpu",
+        rollout_dtype="fp32",
+        reward="text_length",
+        rollout_shards=2,
+        worker_timeout=120.0,
+    )
+    values.update(overrides)
+    new = {"quant": "rollout.quant", "rollout_shards": "run.rollout_shards"}
+    new |= {k: f"run.{k}" for k in ("worker_timeout", "async_rollouts", "rollout_workers")}
+    names = {**LEGACY_NAMES, **new}
+    return build_config("tiny-cpu", None, {names.get(k, k): v for k, v in values.items()})
+
+
+def computed(path):
+    """metrics.jsonl without the layout keys (times, memory, bytes)."""
+    return [{k: v for k, v in m.items() if not k.startswith(LAYOUT)} for m in read_metrics(path)]
+
+
+@pytest.mark.parametrize("quant", ["bf16", "int8"])
+def test_workers_give_the_bits_of_the_in_process_run(policy_dir, tmp_path, quant):
+    local = Trainer(config(policy_dir, tmp_path / "local", quant=quant, save_every=2))
+    local.train()
+    one = Trainer(config(policy_dir, tmp_path / "one", quant=quant, rollout_workers=1))
+    one.train()
+    two = Trainer(config(policy_dir, tmp_path / "two", quant=quant, rollout_workers=2, steps=2))
+    two.train()
+    resumed = Trainer(
+        config(policy_dir, tmp_path / "two", quant=quant, rollout_workers=2, resume="latest")
+    )
+    assert resumed.step == 2
+    resumed.train()
+    expected = computed(local.metrics_path)
+    assert len(expected) == 3 and expected[0]["reward/std"] > 0
+    assert computed(one.metrics_path) == expected
+    assert computed(resumed.metrics_path) == expected
+    two_metrics = read_metrics(resumed.metrics_path)
+    assert all(m["sync/bytes_sent"] > 0 and "time/sync/worker1" in m for m in two_metrics)
+    for (name, p), q, r in zip(
+        local.policy.named_parameters(), one.policy.parameters(), resumed.policy.parameters()
+    ):
+        assert torch.equal(p, q) and torch.equal(p, r), name
+
+
+def test_killed_worker_is_named_and_the_checkpoint_survives(policy_dir, tmp_path, monkeypatch):
+    import ray
+
+    from flashrl.distributed.pool import RolloutWorkerError
+    from flashrl.engine.engine import Engine
+
+    out = tmp_path / "run"
+    trainer = Trainer(config(policy_dir, out, rollout_workers=2, steps=5, save_every=2))
+    step = Trainer.train_step
+
+    def kill_then_step(self):
+        if self.step == 3:
+            ray.kill(self.rollouts.pool.workers[1])
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", kill_then_step)
+    with pytest.raises(RolloutWorkerError, match="rollout worker 1 died"):
+        trainer.train()
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == [2]
+    assert ckpt.verify_checkpoint(out / "checkpoint-2")["step"] == 2
+    Engine(out / "checkpoint-2", quant="int8", device="cpu", max_len=32, progress=False)
+    assert len(read_metrics(out / "metrics.jsonl")) == 3
