@@ -53,6 +53,11 @@ class Rollout:
     """Index of the prompt in the `generate` call; the `n` samples of a prompt are adjacent."""
     sample_index: int = 0
     extra: dict = field(default_factory=dict)
+    routed_experts: torch.Tensor | None = None
+    """MoE models with routing capture on (`flashrl.engine.routing.RoutingCapture`): int16
+    [len(prompt_ids) + len(response_ids) - 1, MoE layers, top_k], the expert ids each MoE layer
+    selected at every position the engine ran through the model (the prompt, then every response
+    token but the last), for routing replay in the trainer (`flashrl.rl.routing_replay`)."""
 
 
 @runtime_checkable

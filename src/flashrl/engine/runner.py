@@ -45,6 +45,9 @@ class ModelRunner:
             model, max_batch, max_len, device, compile=decode_compile, buckets=buckets
         )
         self.cache: KVCache | None = None
+        self.last_prefill: tuple[list[int], list[int]] = ([], [])
+        """The latest `prefill_groups`: the prefill row of each returned logits row, and the
+        prompt length of each prefill row (routing capture, `flashrl.engine.routing`)."""
 
     def ensure_cache(
         self, initial_scales: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -115,10 +118,9 @@ class ModelRunner:
         for prompt, slot, size in zip(prompts, slots, sizes):
             if size > 1:
                 cache.copy_slot(slot, list(range(slot + 1, slot + size)), len(prompt))
-        rows = torch.tensor(
-            [g for g, size in enumerate(sizes) for _ in range(size)], device=self.device
-        )
-        return logits[rows]
+        rows = [g for g, size in enumerate(sizes) for _ in range(size)]
+        self.last_prefill = (rows, [len(p) for p in prompts])
+        return logits[torch.tensor(rows, device=self.device)]
 
     def decode_eager(self, cache: KVCache, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One decode step at its exact shapes (never bucketed or compiled): slot b feeds

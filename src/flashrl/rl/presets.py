@@ -6,6 +6,10 @@ on first use: random init (seed 0) plus a short supervised warm-start (200 steps
 roughly 35-40% sampled accuracy, so RL has a clear reward to climb (to about 75% in 200 steps).
 It is cached under `$FLASHRL_CACHE` (default `~/.cache/flashrl`).
 
+`tiny-moe-cpu`: the same task and recipe on a tiny Qwen3-MoE model (4 layers, 8 experts, top-2,
+renormalised top-k; hidden 128), built the same way (random init seed 0 + warm-start) and selected
+with ``model: builtin:tiny-moe`` (`builtin_model_dir`). Expert weights are quantized per expert.
+
 `gsm8k-qwen2.5-0.5b`: GSM8K with Qwen2.5-0.5B-Instruct on one GPU; pass `--model DIR
 --data.path FILE` (local copies: nothing is downloaded).
 """
@@ -48,6 +52,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         "run.trainer_dtype": "fp32",
         "run.output_dir": "runs/tiny-cpu",
     },
+    "tiny-moe-cpu": {
+        "model": "builtin:tiny-moe",
+        "data.task_max_operand": TINY_TASK["task_max_operand"],
+        "data.task_ops": TINY_TASK["task_ops"],
+        "data.reward": "exact_match",
+        "rollout.quant": "int8",
+        "correction.cap": 2.0,
+        "algo.max_prompt_tokens": 16,
+        "algo.max_response_tokens": 6,
+        "algo.batch_size": 128,
+        "algo.group_size": 8,
+        "algo.lr": 3e-4,
+        "algo.temperature": 1.0,
+        "run.steps": 200,
+        "run.micro_batch_size": 128,
+        "run.rollout_dtype": "bf16",
+        "run.device": "cpu",
+        "run.trainer_dtype": "fp32",
+        "run.output_dir": "runs/tiny-moe-cpu",
+    },
     "gsm8k-qwen2.5-0.5b": {
         "data.reward": "math_verify",
         "data.prompt_field": "question",
@@ -84,25 +108,56 @@ TINY_MODEL = dict(
     tie_word_embeddings=True,
 )
 TINY_WARMUP = dict(steps=200, batch=64, lr=2e-3, seed=0)
+TINY_MOE_MODEL = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=96,
+    norm_topk_prob=True,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+)
+BUILTIN_MODELS = {"builtin:tiny": "tiny", "builtin:tiny-moe": "tiny-moe"}
+"""`model` values that name a built-in model, built on first use (`builtin_model_dir`)."""
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("FLASHRL_CACHE", Path.home() / ".cache" / "flashrl"))
 
 
-def tiny_model_dir() -> Path:
-    """The built-in tiny model's directory, built on first use (about 10 s on 2 CPU cores)."""
+def tiny_model_dir(moe: bool = False) -> Path:
+    """The built-in tiny model's directory (`moe`: the tiny Qwen3-MoE), built on first use (about
+    10 s on 2 CPU cores; the MoE model about a minute)."""
+    model = TINY_MOE_MODEL if moe else TINY_MODEL
     spec = json.dumps(
-        dict(model=TINY_MODEL, warmup=TINY_WARMUP, task=TINY_TASK, version=2), sort_keys=True
+        dict(model=model, warmup=TINY_WARMUP, task=TINY_TASK, version=2), sort_keys=True
     )
-    path = cache_dir() / f"tiny-cpu-{hashlib.sha1(spec.encode()).hexdigest()[:10]}"
+    name = "tiny-moe-cpu" if moe else "tiny-cpu"
+    path = cache_dir() / f"{name}-{hashlib.sha1(spec.encode()).hexdigest()[:10]}"
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
         return path
-    build_tiny_model(path)
+    build_tiny_model(path, moe=moe)
     return path
 
 
-def build_tiny_model(path: str | Path) -> Path:
+def builtin_model_dir(model: str | None) -> Path:
+    """The directory of built-in model `model` (None: the tiny dense model; else a key of
+    `BUILTIN_MODELS`), built on first use."""
+    from flashrl.errors import ConfigError
+
+    if model is not None and model not in BUILTIN_MODELS:
+        raise ConfigError(
+            f"model={model!r} is not a built-in model; allowed: {', '.join(BUILTIN_MODELS)}"
+        )
+    return tiny_model_dir(moe=model == "builtin:tiny-moe")
+
+
+def build_tiny_model(path: str | Path, moe: bool = False) -> Path:
     """Random init plus a supervised warm-start on the tiny task; saved with its tokenizer."""
     import transformers
 
@@ -112,13 +167,14 @@ def build_tiny_model(path: str | Path) -> Path:
     path = Path(path)
     vocab_size = (len(char_tokenizer()) + 7) // 8 * 8
     tokenizer = char_tokenizer(vocab_size)
-    config = transformers.Qwen2Config(
+    config_class = transformers.Qwen3MoeConfig if moe else transformers.Qwen2Config
+    config = config_class(
         vocab_size=vocab_size,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
         rms_norm_eps=1e-6,
-        **TINY_MODEL,
+        **(TINY_MOE_MODEL if moe else TINY_MODEL),
     )
     torch.manual_seed(TINY_WARMUP["seed"])
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
