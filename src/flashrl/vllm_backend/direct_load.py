@@ -219,6 +219,23 @@ def make_checked_loader(
     return checked_loader
 
 
+def mark_pending(layer: torch.nn.Module) -> None:
+    """Record that `layer` holds staged tensors in ``layer._flashrl_staging`` (`report_pending`
+    asks a staging object with a ``missing()`` method what is missing; `moe_methods` uses it)."""
+    _pending.add(layer)
+
+
+def count_direct_tensor() -> None:
+    """Count one tensor staged by a direct load (``direct_tensors``)."""
+    _stats["direct_tensors"] += 1
+
+
+def count_commit(seconds: float) -> None:
+    """Count one group re-quantized from staged tensors (``layers_committed``, ``commit_s``)."""
+    _stats["layers_committed"] += 1
+    _stats["commit_s"] += seconds
+
+
 def clear_staging(layer: torch.nn.Module) -> None:
     """Drop `layer`'s staged tensors (after a commit, or when a full reload supersedes them)."""
     if getattr(layer, "_flashrl_staging", None) is not None:
@@ -249,7 +266,10 @@ def report_pending() -> int:
         staging = layer._flashrl_staging
         if staging is None or staging.reported:
             continue
-        missing = [s for s in shard_ids(layer) if s not in staging.arrived]
+        if hasattr(staging, "missing"):
+            missing = staging.missing()
+        else:
+            missing = [s for s in shard_ids(layer) if s not in staging.arrived]
         logger.warning(
             "%s: incomplete weight update: received shard(s) %s but not %s; the layer keeps its previous "
             "weights until all of them arrive (send q/k/v and gate/up together every sync)",

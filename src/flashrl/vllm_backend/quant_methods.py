@@ -20,7 +20,7 @@ Kernels: ``torch._int_mm`` (int8) and ``torch._scaled_mm`` (fp8 per-tensor and p
 and CUDA; fp8_block runs flashrl's reference path (dequantize per block, fp32 matmul) everywhere.
 The GEMM is wrapped in a torch custom op, so torch.compile and CUDA graphs treat it as one opaque
 call. Embeddings, the LM head, norms and attention are left to vLLM's unquantized methods; MoE
-experts stay in high precision for now.
+experts are quantized by `flashrl.vllm_backend.moe_methods` (routers stay in high precision).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from flashrl.vllm_backend.direct_load import (
     make_bias_loader,
     make_weight_loader,
 )
+from flashrl.vllm_backend.moe_methods import FlashRLFusedMoEMethod, pop_expert_stats
 from flashrl.vllm_backend.names import METHOD_NAMES
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ def pop_requant_stats() -> dict[str, float]:
     """Seconds spent quantizing and the number of layers quantized since the last call; resets both."""
     stats = dict(_requant_stats)
     _requant_stats.update(requant_s=0.0, layers_requantized=0)
+    for key, value in pop_expert_stats().items():  # MoE layers count as layers
+        stats[key] += value
     return stats
 
 
@@ -312,7 +315,6 @@ class FlashRLQuantConfig(QuantizationConfig):
         if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
             raise ValueError(f"skip must be a list of module-name patterns, got {skip!r}")
         self.skip = tuple(skip)
-        self._warned_moe = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(skip={list(self.skip)})"
@@ -379,13 +381,9 @@ class FlashRLQuantConfig(QuantizationConfig):
             return FlashRLEmbeddingMethod()
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
-        if isinstance(layer, RoutedExperts):
-            if not self._warned_moe:
-                logger.warning(
-                    "%s keeps MoE experts in high precision (not quantized yet)", self.get_name()
-                )
-                self._warned_moe = True
-        # Attention (no KV-cache scales) and experts: vLLM's unquantized path.
+        if isinstance(layer, RoutedExperts) and not matches_any(prefix, self.skip):
+            return FlashRLFusedMoEMethod(layer.moe_config, self.scheme_name)
+        # Attention (no KV-cache scales) and skipped experts: vLLM's unquantized path.
         return None
 
 

