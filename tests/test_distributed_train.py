@@ -111,3 +111,18 @@ def test_killed_worker_is_named_and_the_checkpoint_survives(policy_dir, tmp_path
     assert ckpt.verify_checkpoint(out / "checkpoint-2")["step"] == 2
     Engine(out / "checkpoint-2", quant="int8", device="cpu", max_len=32, progress=False)
     assert len(read_metrics(out / "metrics.jsonl")) == 3
+
+
+def test_async_rollouts_run_one_step_stale_and_learn(tmp_path):
+    """The tiny task, shortened, with generation one step ahead on one worker: staleness 1 from
+    the second step on, and the reward still rises (decoupled IS against the rollout logprobs)."""
+    overrides = {"run.steps": 60, "run.output_dir": str(tmp_path / "async"), "run.plot": False}
+    overrides |= {"rollout_workers": "1", "async_rollouts": "true", "run.worker_timeout": 300}
+    trainer = Trainer(build_config("tiny-cpu", None, overrides))
+    assert trainer.config.run.async_rollouts and trainer.config.correction.mode == "decoupled"
+    trainer.train()
+    metrics = read_metrics(trainer.metrics_path)
+    assert [m["rollout/staleness"] for m in metrics] == [0.0] + [1.0] * 59
+    rewards = [m["reward/mean"] for m in metrics]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.1, f"reward {first:.3f} -> {last:.3f}"

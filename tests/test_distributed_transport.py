@@ -4,6 +4,7 @@ codes) leaves every worker's codes and scales identical to an in-process `update
 from __future__ import annotations
 
 import functools
+import sys
 
 import pytest
 import torch
@@ -108,3 +109,51 @@ def test_gloo_sync_matches_an_in_process_update(models, payload, dtype):
     linears = sum(t.numel() * t.element_size() for n, t in named if n in pool.quantized)
     assert out["sync/bytes"] == (full if payload == "stream" else full - linears + codes)
     assert out["worker1/requant_s"] > 0
+
+
+def test_short_flags_parse_to_run_fields():
+    from flashrl.rl.config_build import build_config
+    from flashrl.tools.train import parse_overrides
+
+    tokens = ["--rollout-workers", "2", "--ray-address", "auto", "--async-rollouts"]
+    config = build_config("tiny-cpu", None, parse_overrides(tokens))
+    r = config.run
+    assert (r.rollout_workers, r.ray_address, r.async_rollouts) == (2, "auto", True)
+
+
+def test_without_ray_the_flags_give_the_install_hint(models, tmp_path, monkeypatch, capsys):
+    from flashrl.tools.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    out = tmp_path / "run"
+    args = ["train", "--model", str(models[0]), "--run.output-dir", str(out)]
+    code = main([*args, "--rollout-workers", "2", "--run.device", "cpu", "--run.steps", "1"])
+    assert code != 0
+    assert "pip install 'flashrl[ray]'" in capsys.readouterr().err
+    assert not out.exists()  # refused before anything was written
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_instance")
+def test_a_hanging_worker_is_named_within_the_deadline():
+    import time
+
+    import ray
+
+    from flashrl.distributed.pool import PoolConfig, RolloutWorkerError, WorkerPool
+
+    pool = WorkerPool.__new__(WorkerPool)  # only the deadline logic: no actors needed
+    pool.ray, pool.config = ray, PoolConfig(timeout_s=2.0)
+
+    def nap(seconds: float) -> None:  # local, so Ray pickles it by value
+        import time
+
+        time.sleep(seconds)
+
+    sleep = ray.remote(num_cpus=0)(nap)
+    futures = [sleep.remote(0), sleep.remote(60)]
+    start = time.perf_counter()
+    with pytest.raises(RolloutWorkerError, match="rollout worker 1 did not generate within 2 s"):
+        pool.wait(futures, "generate")
+    assert time.perf_counter() - start < 10
+    ray.cancel(futures[1], force=True)
