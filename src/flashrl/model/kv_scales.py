@@ -11,8 +11,8 @@ they go stale whenever the weights change. The state machine, the same for every
 - `record` stores freshly computed scales and their cost (``kv_calibration_*`` stats).
 
 A fixed float `kv_scale` never goes stale; ``"dynamic"`` has no static scales at all. The built-in
-engine (`flashrl.engine.Engine`) keeps one `KVScaleState`; the vLLM backend
-(`flashrl.vllm_backend.kv_scales.KVScaleSync`) keeps its own copy of the same fields for now.
+engine (`flashrl.engine.Engine`) and the vLLM backend (`flashrl.vllm_backend.kv_scales.KVScaleSync`,
+which calibrates on every push and so never stays stale) each keep one `KVScaleState`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from flashrl.errors import InputError
-from flashrl.quant.schemes import AMAX_EPS
+from flashrl.quant.schemes import AMAX_EPS, FP8_E4M3_QMAX, INT8_QMAX
 
 FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -19,9 +19,9 @@ FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 def qmax_of(code_dtype: torch.dtype) -> float:
     """Largest code magnitude: 127 for int8 (symmetric), 448 for float8_e4m3fn."""
     if code_dtype == torch.int8:
-        return 127.0
+        return INT8_QMAX
     if code_dtype == torch.float8_e4m3fn:
-        return 448.0
+        return FP8_E4M3_QMAX
     raise ValueError(
         f"unsupported code dtype {code_dtype}; allowed: torch.int8, torch.float8_e4m3fn"
     )

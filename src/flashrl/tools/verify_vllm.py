@@ -8,6 +8,7 @@ import importlib.util
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 from flashrl.tools.verify_context import SKIP, TINY_MODEL, CheckFailed, VerifyContext, token_ids
 
@@ -57,33 +58,18 @@ def check_vllm(ctx: VerifyContext, scheme: str) -> str | tuple[str, str]:
             max_num_seqs=8,
             **engine_kwargs(scheme),
         )
-        params = vllm.SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
-        prompts = [
-            vllm.inputs.TokensPrompt(prompt_token_ids=ids) for ids in token_ids(5, [3, 7, 12])
-        ]
-
-        def outputs(llm) -> list[tuple[list[int], list[float]]]:
-            return [
-                (list(c.token_ids), [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
-                for out in llm.generate(prompts, params, use_tqdm=False)
-                for c in out.outputs
-            ]
-
-        def shutdown(llm) -> None:
-            llm.llm_engine.engine_core.shutdown()
-
         fresh = vllm.LLM(str(ctx.checkpoint("b")), **kwargs)
         try:
-            expected = outputs(fresh)
+            expected = _greedy_outputs(vllm, fresh)
         finally:
-            shutdown(fresh)
+            fresh.llm_engine.engine_core.shutdown()
         llm = vllm.LLM(str(ctx.checkpoint("a")), **kwargs)
         try:
-            before = outputs(llm)
+            before = _greedy_outputs(vllm, llm)
             WeightSync(llm).push(load_state_dict(ctx.checkpoint("b")).items())
-            after = outputs(llm)
+            after = _greedy_outputs(vllm, llm)
         finally:
-            shutdown(llm)
+            llm.llm_engine.engine_core.shutdown()
     if before == expected:
         raise CheckFailed(
             "checkpoints A and B give the same vLLM outputs: the check would prove nothing"
@@ -96,3 +82,14 @@ def check_vllm(ctx: VerifyContext, scheme: str) -> str | tuple[str, str]:
         f"vLLM {vllm.__version__}, {scheme}: greedy tokens and logprobs after push equal a "
         f"fresh engine"
     )
+
+
+def _greedy_outputs(vllm: Any, llm: Any) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs of `llm` on three fixed token-id prompts."""
+    params = vllm.SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=ids) for ids in token_ids(5, [3, 7, 12])]
+    return [
+        (list(c.token_ids), [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
+        for out in llm.generate(prompts, params, use_tqdm=False)
+        for c in out.outputs
+    ]

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from flashrl.errors import ConfigError, InputError, WeightError
 from flashrl.model.config import ModelConfig
 from flashrl.model.kv_calibration import (
     KVScales,
@@ -41,6 +42,7 @@ from flashrl.model.kv_calibration import (
     checkpoint_getter,
     fallback_sequences,
 )
+from flashrl.model.kv_scales import KVScaleState
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.vllm_backend.config import ADDITIONAL_CONFIG_KEY
 
@@ -73,10 +75,16 @@ class KVScaleSync:
                 else additional.get(ADDITIONAL_CONFIG_KEY, "calibrated")
             )
         elif kv_scale is not None:
-            raise ValueError(
+            raise ConfigError(
                 f"kv_scale={kv_scale!r} needs an engine with kv_cache_dtype='fp8'; this one has "
                 f"kv_cache_dtype={cache_dtype!r} (build it with engine_kwargs(...) of an fp8-KV config)"
             )
+        self.state = KVScaleState(
+            "fp8" if self.mode is not None else "bf16",
+            self.mode if self.mode is not None else "calibrated",
+            "layer" if self.mode is not None else None,
+        )
+        """The lifecycle shared with the built-in engine: calibration set, scales, counters."""
         model_config = vllm_config.model_config
         self.model_dir = Path(model_config.model)
         self.dtype = model_config.dtype
@@ -88,20 +96,27 @@ class KVScaleSync:
             if self.calibrated
             else None
         )
-        self.recent = RecentSequences()
-        self.scales: KVScales | None = None
         self.from_fallback = False
         """True while the scales come from random token ids (no real sequence seen yet)."""
         self.load_format = str(vllm_config.load_config.load_format)
 
     @property
     def calibrated(self) -> bool:
-        return self.mode == "calibrated"
+        return self.state.calibrated
+
+    @property
+    def recent(self) -> RecentSequences:
+        """The calibration set: the most recent rollouts."""
+        return self.state.recent
+
+    @property
+    def scales(self) -> KVScales | None:
+        """The last calibrated scales (None before the first calibration or when not calibrated)."""
+        return self.state.scales
 
     def remember(self, sequences: Sequence[Sequence[int]]) -> None:
         """Add recent token sequences (prompt + response, most important first) to the calibration set."""
-        if self.calibrated:
-            self.recent.add(sequences)
+        self.state.remember(sequences)
 
     def check_push(self, names: Sequence[str]) -> None:
         """Raise before anything is sent when a push lacks tensors the calibration needs."""
@@ -110,7 +125,7 @@ class KVScaleSync:
         missing = sorted(set(calibration_tensor_names(self.config)) - set(names))
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise ValueError(
+            raise WeightError(
                 f"this push lacks {', '.join(missing[:5])}{more}: calibrated fp8 KV scales are computed from the pushed "
                 "weights (vLLM resets them on every reload), so push every decoder parameter and the embedding, "
                 "or use a fixed kv_scale"
@@ -140,13 +155,14 @@ class KVScaleSync:
         start = time.perf_counter()
         if self.calibrated:
             if get_tensor is None:
-                raise ValueError("calibrated fp8 KV scales need the weights (get_tensor)")
+                raise ConfigError("calibrated fp8 KV scales need the weights (get_tensor)")
             seqs = list(sequences) if sequences else self.recent.sequences()
             self.from_fallback = not seqs
             if not seqs:
                 seqs = fallback_sequences(self.config.vocab_size)
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            self.scales = calibrate_from_weights(
+            self.state.weights_changed()
+            scales = calibrate_from_weights(
                 get_tensor,
                 self.config,
                 seqs,
@@ -156,25 +172,23 @@ class KVScaleSync:
                 device,
                 include_q=True,
             )
-            k, v, q = (
-                self.scales.k[:, 0].tolist(),
-                self.scales.v[:, 0].tolist(),
-                self.scales.q.tolist(),
-            )
+            k, v, q = scales.k[:, 0].tolist(), scales.v[:, 0].tolist(), scales.q.tolist()
             counts = self.llm.collective_rpc("flashrl_set_kv_scales", args=(k, v, q))
             if any(c != self.config.num_layers for c in counts):
                 raise RuntimeError(
                     f"set KV scales on {counts} attention layers per worker; the model has "
                     f"{self.config.num_layers}"
                 )
-        else:
-            self.llm.collective_rpc(
-                "flashrl_set_kv_scales", args=(float(self.mode), float(self.mode), None)
-            )
+            return self.state.record(scales, time.perf_counter() - start)
+        self.llm.collective_rpc(
+            "flashrl_set_kv_scales", args=(float(self.mode), float(self.mode), None)
+        )
         return time.perf_counter() - start
 
     def summary(self) -> dict[str, float]:
-        return self.scales.summary() if self.scales is not None else {}
+        """The scales' summary and the calibration counters (`KVScaleState.stats`)."""
+        scales = self.scales.summary() if self.scales is not None else {}
+        return {**scales, **self.state.stats()} if self.calibrated else scales
 
 
 def _check_mode(value: Any) -> str | float:
@@ -190,7 +204,7 @@ def _check_mode(value: Any) -> str | float:
     except (TypeError, ValueError):
         scale = float("nan")
     if not scale > 0 or scale == float("inf"):
-        raise ValueError(f"kv_scale={value!r} is invalid; allowed: calibrated or a positive float")
+        raise ConfigError(f"kv_scale={value!r} is invalid; allowed: calibrated or a positive float")
     return scale
 
 
@@ -210,7 +224,7 @@ def set_attention_kv_scales(
                 continue
             value = float(values) if isinstance(values, (int, float)) else float(values[index])
             if not value > 0 or value == float("inf"):
-                raise ValueError(
+                raise InputError(
                     f"{name}_scale of layer {index} must be finite and positive, got {value}"
                 )
             value = float(

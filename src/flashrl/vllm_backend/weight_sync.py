@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from flashrl.errors import ConfigError, WeightError
 from flashrl.vllm_backend.kv_scales import KVScaleSync
 from flashrl.vllm_backend.names import TRANSFER_BACKEND
 
@@ -51,7 +52,7 @@ TRANSPORTS = ("auto", "tensors", "file")
 
 
 def check_fused_complete(names: Iterable[str]) -> None:
-    """Raise ValueError when `names` holds part of a fused group (q_proj without k_proj and v_proj,
+    """Raise a `WeightError` when `names` holds part of a fused group (q_proj without k_proj and v_proj,
     gate_proj without up_proj), naming what is missing."""
     present = set(names)
     for name in sorted(present):
@@ -64,7 +65,7 @@ def check_fused_complete(names: Iterable[str]) -> None:
             siblings = [".".join([*parts[:-2], member, parts[-1]]) for member in group]
             missing = [s for s in siblings if s not in present]
             if missing:
-                raise ValueError(
+                raise WeightError(
                     f"{name} is sent without {', '.join(missing)}: vLLM fuses {'/'.join(group)} into one layer "
                     "and re-quantizes it only from all of its parts; send them together"
                 )
@@ -77,7 +78,7 @@ def group_by_layer(items: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str
 
     by_name = dict(items)
     if len(by_name) != len(items):
-        raise ValueError("duplicate parameter names in the weights to push")
+        raise WeightError("duplicate parameter names in the weights to push")
     return [
         [(name, by_name[name]) for name in group]
         for group in layerwise_groups([n for n, _ in items])
@@ -102,20 +103,20 @@ class WeightSync:
         kv_scale: str | float | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
-            raise ValueError(
+            raise ConfigError(
                 f"transport={transport!r} is invalid; allowed: {', '.join(TRANSPORTS)}"
             )
         self.llm = llm
         backend = getattr(llm.llm_engine.vllm_config.weight_transfer_config, "backend", None)
         if backend != TRANSFER_BACKEND:
-            raise ValueError(
+            raise ConfigError(
                 f"this LLM was built with weight_transfer_config backend {backend!r}; WeightSync needs "
                 f"{TRANSFER_BACKEND!r}: build it with LLM(model, **flashrl.vllm_backend.engine_kwargs(...))"
             )
         try:
             workers = llm.collective_rpc("flashrl_worker_info")
         except Exception as err:
-            raise ValueError(
+            raise ConfigError(
                 "the LLM's workers lack flashrl's methods; build it with "
                 "LLM(model, **flashrl.vllm_backend.engine_kwargs(...)) (worker_extension_cls)"
             ) from err
@@ -123,7 +124,7 @@ class WeightSync:
         if transport == "auto":
             transport = "tensors" if in_process else "file"
         elif transport == "tensors" and not in_process:
-            raise ValueError(
+            raise ConfigError(
                 "transport='tensors' needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
             )
         self.transport = transport
@@ -142,17 +143,52 @@ class WeightSync:
         """Recalibrate the fp8 KV scales of the engine's start-up weights (the checkpoint on disk) on
         `sequences`, e.g. the first real prompts; before the first push only. Returns seconds."""
         if self.version > 0:
-            raise ValueError(
+            raise ConfigError(
                 "calibrate_kv reads the checkpoint on disk, which the engine no longer holds after a push; "
                 "the next push recalibrates on remember_kv's sequences"
             )
         if not self.kv.calibrated:
-            raise ValueError("calibrate_kv needs an fp8 KV cache with kv_scale='calibrated'")
+            raise ConfigError("calibrate_kv needs an fp8 KV cache with kv_scale='calibrated'")
         from flashrl.model.kv_calibration import checkpoint_getter
 
         return self.kv.apply(
             checkpoint_getter(self.kv.model_dir), sequences=[list(s) for s in sequences]
         )
+
+    def _checked_items(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The pairs as full tensors, every one checked before anything is sent (a refused push
+        leaves the engine as it was): finite floats, complete fused groups, what the KV
+        calibration needs."""
+        from vllm.distributed.weight_transfer.base import materialize_full_tensor
+
+        from flashrl.vllm_backend.direct_load import check_incoming
+
+        items = [(name, materialize_full_tensor(t).detach()) for name, t in named_tensors]
+        if not items:
+            raise WeightError("nothing to push: no (name, tensor) pairs")
+        for name, tensor in items:
+            check_incoming(tensor, name)
+        check_fused_complete(name for name, _ in items)
+        self.kv.check_push([name for name, _ in items])
+        return items
+
+    def _send(self, chunks: list[list[tuple[str, torch.Tensor]]]) -> None:
+        """Start a weight update and send `chunks` (one layer's tensors each) through the
+        flashrl weight-transfer backend; the caller finishes the update."""
+        self.llm.start_weight_update()
+        chunk_dir = (
+            tempfile.mkdtemp(prefix="flashrl-sync-", dir=self.tmp_dir)
+            if self.transport == "file"
+            else None
+        )
+        try:
+            for index, chunk in enumerate(chunks):
+                self.llm.update_weights({"update_info": self._payload(chunk, chunk_dir, index)})
+        finally:
+            if chunk_dir is not None:
+                shutil.rmtree(chunk_dir, ignore_errors=True)
 
     @torch.no_grad()
     def push(
@@ -171,35 +207,11 @@ class WeightSync:
         `kv_sequences` (token ids) replace the remembered calibration set for this push.
         A failure after the update started leaves the engine's weights undefined: push again.
         """
-        from vllm.distributed.weight_transfer.base import materialize_full_tensor
-
-        from flashrl.vllm_backend.direct_load import check_incoming
-
-        items = [(name, materialize_full_tensor(t).detach()) for name, t in named_tensors]
-        if not items:
-            raise ValueError("nothing to push: no (name, tensor) pairs")
-        for (
-            name,
-            tensor,
-        ) in items:  # before anything is sent: a refused push leaves the engine as it was
-            check_incoming(tensor, name)
-        check_fused_complete(name for name, _ in items)
-        self.kv.check_push([name for name, _ in items])
+        items = self._checked_items(named_tensors)
         chunks = group_by_layer(items)
         self.llm.collective_rpc("flashrl_pop_requant_stats")  # zero the counters
         start = time.perf_counter()
-        self.llm.start_weight_update()
-        chunk_dir = (
-            tempfile.mkdtemp(prefix="flashrl-sync-", dir=self.tmp_dir)
-            if self.transport == "file"
-            else None
-        )
-        try:
-            for index, chunk in enumerate(chunks):
-                self.llm.update_weights({"update_info": self._payload(chunk, chunk_dir, index)})
-        finally:
-            if chunk_dir is not None:
-                shutil.rmtree(chunk_dir, ignore_errors=True)
+        self._send(chunks)
         self.version += 1
         self.llm.finish_weight_update(weight_version=weight_version or str(self.version))
         loaded = time.perf_counter()
