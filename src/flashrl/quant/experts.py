@@ -139,6 +139,18 @@ class QuantExperts(_StackedExperts):
         rows = slice(base, base + weight.shape[-2])
         target = self.weight[:, rows] if expert is None else self.weight[expert, rows]
         old = target.clone() if count_changed else None
+        if self.scheme.weight_granularity == "channel" and shard is None:
+            # per-channel scales are row-local: every expert and shard in one call, the same bits
+            rows_out = target.reshape(-1, self.in_features)
+            scales = self.weight_scale if expert is None else self.weight_scale[expert]
+            quantize_weight(
+                weight.reshape(-1, self.in_features),
+                self.scheme,
+                out=rows_out,
+                scale_out=scales.view(-1, 1),
+                name="expert weight",
+            )
+            experts = []
         for e in experts:
             local_all = weight[e] if expert is None else weight
             for i in shards:

@@ -122,6 +122,9 @@ TINY_MOE_MODEL = dict(
     max_position_embeddings=64,
     tie_word_embeddings=True,
 )
+TINY_MOE_WARMUP = dict(TINY_WARMUP, steps=60)
+"""A shorter warm-start than the dense model's: the MoE model learns the task faster (200 steps
+leave it at about 83% sampled accuracy), and RL needs room to climb."""
 BUILTIN_MODELS = {"builtin:tiny": "tiny", "builtin:tiny-moe": "tiny-moe"}
 """`model` values that name a built-in model, built on first use (`builtin_model_dir`)."""
 
@@ -133,10 +136,8 @@ def cache_dir() -> Path:
 def tiny_model_dir(moe: bool = False) -> Path:
     """The built-in tiny model's directory (`moe`: the tiny Qwen3-MoE), built on first use (about
     10 s on 2 CPU cores; the MoE model about a minute)."""
-    model = TINY_MOE_MODEL if moe else TINY_MODEL
-    spec = json.dumps(
-        dict(model=model, warmup=TINY_WARMUP, task=TINY_TASK, version=2), sort_keys=True
-    )
+    model, warmup = (TINY_MOE_MODEL, TINY_MOE_WARMUP) if moe else (TINY_MODEL, TINY_WARMUP)
+    spec = json.dumps(dict(model=model, warmup=warmup, task=TINY_TASK, version=2), sort_keys=True)
     name = "tiny-moe-cpu" if moe else "tiny-cpu"
     path = cache_dir() / f"{name}-{hashlib.sha1(spec.encode()).hexdigest()[:10]}"
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
@@ -176,11 +177,12 @@ def build_tiny_model(path: str | Path, moe: bool = False) -> Path:
         rms_norm_eps=1e-6,
         **(TINY_MOE_MODEL if moe else TINY_MODEL),
     )
-    torch.manual_seed(TINY_WARMUP["seed"])
+    warmup = TINY_MOE_WARMUP if moe else TINY_WARMUP
+    torch.manual_seed(warmup["seed"])
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=TINY_WARMUP["lr"], weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=warmup["lr"], weight_decay=0.0)
     task = ArithmeticTask(
-        seed=10_000 + TINY_WARMUP["seed"],
+        seed=10_000 + warmup["seed"],
         max_operand=TINY_TASK["task_max_operand"],
         ops=TINY_TASK["task_ops"],
     )
@@ -188,9 +190,9 @@ def build_tiny_model(path: str | Path, moe: bool = False) -> Path:
     logger.warning(
         "building the built-in tiny model (supervised warm-start, about 10 s) in %s", path
     )
-    for step in range(TINY_WARMUP["steps"]):
+    for step in range(warmup["steps"]):
         rows, labels = [], []
-        for ex in task.batch(step, TINY_WARMUP["batch"]):
+        for ex in task.batch(step, warmup["batch"]):
             prompt = tokenizer(ex.prompt)["input_ids"]
             answer = tokenizer(ex.answer)["input_ids"] + [tokenizer.eos_token_id]
             rows.append(prompt + answer)

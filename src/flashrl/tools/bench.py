@@ -46,6 +46,7 @@ from flashrl.engine.kv_cache import KVCache
 from flashrl.errors import ConfigError, InputError
 from flashrl.model.config import ModelConfig
 from flashrl.quant.schemes import parse_scheme_list
+from flashrl.tools.moe_configs import MOE_RANDOM_CONFIGS
 from flashrl.utils import device_name, format_table, synchronize
 
 # Real model dimensions (from the public config.json files) for `--random-weights NAME`.
@@ -128,6 +129,7 @@ RANDOM_CONFIGS: dict[str, dict] = {
         },
     ),
 }
+RANDOM_CONFIGS.update(MOE_RANDOM_CONFIGS)  # tiny-moe-bench, mid-moe-bench, qwen3-30b-a3b
 _COMMON = dict(rms_norm_eps=1e-6, hidden_act="silu", bos_token_id=1, eos_token_id=2)
 
 
@@ -139,7 +141,8 @@ class BenchConfig:
     """Hugging Face checkpoint directory."""
     random_weights: str | None = None
     """Random weights at real dimensions: a name of RANDOM_CONFIGS (tiny-bench, qwen2.5-0.5b,
-    qwen2.5-1.5b, qwen2.5-7b, qwen3-8b, llama3.1-8b) or a config.json."""
+    qwen2.5-1.5b, qwen2.5-7b, qwen3-8b, llama3.1-8b; MoE: tiny-moe-bench, mid-moe-bench,
+    qwen3-30b-a3b) or a config.json."""
     quant: str = "bf16,int8,fp8,fp8_channel"
     """Comma-separated schemes; the first is the ratio baseline."""
     batch: int = 16
@@ -261,11 +264,14 @@ def random_model_dir(name_or_path: str, root: Path) -> Path:
     """A model directory holding only a config.json of the named dimensions (or the given file)."""
     if name_or_path in RANDOM_CONFIGS:
         raw = {**_COMMON, **RANDOM_CONFIGS[name_or_path]}
-        raw["model_type"] = {
-            "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3",
-            "LlamaForCausalLM": "llama",
-        }[raw["architectures"][0]]
+        raw["model_type"] = (
+            raw.get("model_type")
+            or {
+                "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3",
+                "LlamaForCausalLM": "llama",
+            }[raw["architectures"][0]]
+        )
     else:
         path = Path(name_or_path)
         if not path.is_file():
