@@ -245,3 +245,30 @@ def test_moe_checkpoint_missing_expert_is_refused(moe_pair, tmp_path):
         engine(write_checkpoint(tmp_path / "broken", tensors, base))
     cfg = json.loads((base / "config.json").read_text())
     assert cfg["architectures"] == ["MixtralForCausalLM"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_grouped_experts_equal_per_expert_linear(scheme, gen):
+    """`grouped_experts` (per-token schemes quantize each projection's input once for all experts)
+    gives the bits of running every expert's `linear` on its rows, then weighting and summing."""
+    from flashrl.model.moe import grouped_experts
+
+    e, h, i, tokens, k = 6, 64, 40, 19, 2
+    gate_up = make_experts(e, h, 2 * i, scheme, (i, i), torch.bfloat16)
+    down = make_experts(e, i, h, scheme, None, torch.bfloat16)
+    gate_up.requantize_(torch.randn(e, 2 * i, h, generator=gen) * 0.1)
+    down.requantize_(torch.randn(e, h, i, generator=gen) * 0.1)
+    x = torch.randn(tokens, h, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=gen).bfloat16()
+    got = grouped_experts(x, ids, weights, gate_up, down)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    xs, sorted_ids = x[order // k], ids.reshape(-1)[order]
+    out = torch.empty(tokens * k, h, dtype=x.dtype)
+    for expert in sorted_ids.unique().tolist():
+        rows = (sorted_ids == expert).nonzero()[:, 0]
+        g, u = gate_up.linear(xs[rows], expert).split(i, dim=-1)
+        out[rows] = down.linear(torch.nn.functional.silu(g) * u, expert)
+    weighted = torch.empty_like(out)
+    weighted[order] = out * weights.reshape(-1)[order, None]
+    assert torch.equal(got, weighted.view(tokens, k, h).sum(1))

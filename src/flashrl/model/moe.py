@@ -30,6 +30,7 @@ from flashrl.model.batch import ForwardBatch, masked_rows
 from flashrl.model.moe_config import MoEConfig
 from flashrl.quant.experts import DenseExperts, QuantExperts, make_experts
 from flashrl.quant.linear import DenseLinear
+from flashrl.quant.primitives import quantize_activation
 from flashrl.quant.schemes import QuantScheme
 
 RoutingObserver = Callable[[int, torch.Tensor], None]
@@ -67,21 +68,40 @@ def grouped_experts(
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=gate_up.num_experts).tolist()
+    starts = [sum(counts[:e]) for e in range(len(counts))]
+    active = [(e, slice(starts[e], starts[e] + c)) for e, c in enumerate(counts) if c]
     xs = x[order // k]
-    out = torch.empty(tokens * k, x.shape[-1], dtype=x.dtype, device=x.device)
-    inter = gate_up.out_features // 2
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = slice(start, start + count)
-        gate, up = gate_up.linear(xs[rows], expert).split(inter, dim=-1)
-        out[rows] = down.linear(F.silu(gate) * up, expert)
-        start += count
+    if isinstance(gate_up, QuantExperts) and gate_up.scheme.activation_granularity == "token":
+        out = _token_quantized_experts(xs, active, gate_up, down)
+    else:
+        out = torch.empty(tokens * k, x.shape[-1], dtype=x.dtype, device=x.device)
+        inter = gate_up.out_features // 2
+        for expert, rows in active:
+            gate, up = gate_up.linear(xs[rows], expert).split(inter, dim=-1)
+            out[rows] = down.linear(F.silu(gate) * up, expert)
     weighted = out * weights.reshape(-1)[order, None]
     unsorted = torch.empty_like(weighted)
     unsorted[order] = weighted
     return unsorted.view(tokens, k, -1).sum(dim=1).to(x.dtype)
+
+
+def _token_quantized_experts(
+    xs: torch.Tensor, active: list[tuple[int, slice]], gate_up: QuantExperts, down: QuantExperts
+) -> torch.Tensor:
+    """The expert SwiGLUs of per-token schemes (int8, fp8_channel) with each projection's input
+    quantized once for all experts: per-token codes are row-local, so every expert's GEMM sees
+    the bits `QuantExperts.linear` would make (tests/test_moe_experts.py)."""
+    scheme, inter = gate_up.scheme, gate_up.out_features // 2
+    xq, x_scale = quantize_activation(xs, scheme)
+    hidden = torch.empty(xs.shape[0], 2 * inter, dtype=xs.dtype, device=xs.device)
+    for expert, rows in active:
+        hidden[rows] = gate_up.linear_prequantized(xq[rows], x_scale[rows], expert, xs.dtype)
+    act = F.silu(hidden[:, :inter]) * hidden[:, inter:]
+    aq, a_scale = quantize_activation(act, scheme)
+    out = torch.empty(xs.shape[0], down.out_features, dtype=xs.dtype, device=xs.device)
+    for expert, rows in active:
+        out[rows] = down.linear_prequantized(aq[rows], a_scale[rows], expert, xs.dtype)
+    return out
 
 
 class MoEBlock(nn.Module):

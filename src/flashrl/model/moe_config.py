@@ -1,14 +1,14 @@
 """`MoEConfig`: the mixture-of-experts fields of a Hugging Face ``config.json``, validated.
 
-| architecture          | experts key                          | top-k weights                    |
-|-----------------------|--------------------------------------|----------------------------------|
-| `Qwen3MoeForCausalLM` | `num_experts` (or `num_local_experts`)| softmax, top-k, `norm_topk_prob` |
-| `Qwen2MoeForCausalLM` | `num_experts`, plus a shared expert  | softmax, top-k, `norm_topk_prob` |
-| `MixtralForCausalLM`  | `num_local_experts`                  | softmax, top-k, always normalised|
+| architecture          | experts key                        | top-k weights                  |
+|-----------------------|------------------------------------|--------------------------------|
+| `Qwen3MoeForCausalLM` | `num_experts` / `num_local_experts`| softmax, top-k, norm_topk_prob |
+| `Qwen2MoeForCausalLM` | `num_experts`, plus a shared expert| softmax, top-k, norm_topk_prob |
+| `MixtralForCausalLM`  | `num_local_experts`                | softmax, top-k, normalised     |
 
 Which layers are sparse (Qwen families): layer i is an MoE layer when ``(i + 1) %
-decoder_sparse_step == 0`` and i is not in `mlp_only_layers`, as in `transformers`; Mixtral layers are
-all sparse. The rules follow the installed `transformers` 5.x modeling files (docs/moe.md).
+decoder_sparse_step == 0`` and i is not in `mlp_only_layers`, as in `transformers`; Mixtral layers
+are all sparse. The rules follow the installed `transformers` 5.x modeling files (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def _int(raw: dict[str, Any], key: str, source: str, default: int | None = None)
 def parse_moe(
     raw: dict[str, Any], family: str, num_layers: int, intermediate_size: int, source: str
 ) -> MoEConfig | None:
-    """The `MoEConfig` of an MoE `family` (None for a dense family); `ConfigError` on a bad field."""
+    """The `MoEConfig` of an MoE `family` (None for a dense family); `ConfigError` on a bad
+    field."""
     if family not in MOE_FAMILIES:
         return None
     key = "num_local_experts" if family == "mixtral" or "num_experts" not in raw else "num_experts"
@@ -66,7 +67,8 @@ def parse_moe(
     top_k = _int(raw, "num_experts_per_tok", source)
     if top_k > num_experts:
         raise ConfigError(
-            f"{source}: num_experts_per_tok={top_k} is invalid; allowed: at most {key}={num_experts}"
+            f"{source}: num_experts_per_tok={top_k} is invalid; "
+            f"allowed: at most {key}={num_experts}"
         )
     if family == "mixtral":
         return MoEConfig(

@@ -3,15 +3,15 @@
 Two naming conventions arrive and both are accepted, in any order and grouping (``L``: a sparse
 layer, ``e``: an expert, ``B``: ``mlp``, or ``block_sparse_moe`` for Mixtral checkpoints):
 
-| Hugging Face name (``model.layers.L.`` ...)          | shape      | decoder (``layers.L.mlp.`` ...) |
-|------------------------------------------------------|------------|---------------------------------|
-| B.experts.e.{gate,up}_proj.weight (Mixtral: w1, w3)  | [I, H]     | experts.gate_up_proj, expert e, shard 0 / 1 |
-| B.experts.e.down_proj.weight (Mixtral: w2)           | [H, I]     | experts.down_proj, expert e     |
-| mlp.experts.gate_up_proj (transformers 5.x in memory)| [E, 2I, H] | experts.gate_up_proj, all       |
-| mlp.experts.down_proj (transformers 5.x in memory)   | [E, H, I]  | experts.down_proj, all          |
-| B.gate.weight (and mlp.gate.weight for Mixtral)      | [E, H]     | gate (the router)               |
-| mlp.shared_expert.{gate,up,down}_proj.weight (Qwen2-MoE) | ...    | shared_expert.gate_up_proj / down_proj |
-| mlp.shared_expert_gate.weight (Qwen2-MoE)            | [1, H]     | shared_expert_gate              |
+| Hugging Face name (``model.layers.L.`` ...)    | shape      | decoder (``layers.L.mlp.``)     |
+|------------------------------------------------|------------|---------------------------------|
+| B.experts.e.{gate,up}_proj.weight (w1, w3)     | [I, H]     | experts.gate_up_proj, e, shard  |
+| B.experts.e.down_proj.weight (Mixtral: w2)     | [H, I]     | experts.down_proj, expert e     |
+| mlp.experts.gate_up_proj (in memory)           | [E, 2I, H] | experts.gate_up_proj, all       |
+| mlp.experts.down_proj (in memory)              | [E, H, I]  | experts.down_proj, all          |
+| B.gate.weight (and mlp.gate.weight, Mixtral)   | [E, H]     | gate (the router)               |
+| mlp.shared_expert.{gate,up,down}_proj.weight   |            | shared_expert (Qwen2-MoE)       |
+| mlp.shared_expert_gate.weight                  | [1, H]     | shared_expert_gate (Qwen2-MoE)  |
 
 Checkpoints (`save_pretrained` of transformers 5.x) hold the per-expert names; a trainer's
 `named_parameters()` holds the fused 3-D ones, whose rows [0, I) are gate and [I, 2I) up (the

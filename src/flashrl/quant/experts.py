@@ -13,7 +13,8 @@ Public API (small on purpose; the vLLM backend may reuse it):
 - ``requantize_(w, expert=None, shard=None)``: `w` is [E, n, K] (every expert; the fused 3-D
   parameters of a `transformers` 5.x model) or [n, K] (one expert, a checkpoint tensor); `shard`
   picks gate or up of a fused gate/up weight. Storage never moves (`data_ptr` stays).
-- ``linear(x, expert)``: ``x @ W_e^T`` with the same GEMM as `QuantLinear` (`quant.gemm`).
+- ``linear(x, expert)``: ``x @ W_e^T`` with the same GEMM as `QuantLinear` (`quant.gemm`);
+  ``linear_prequantized(xq, x_scale, expert, dtype)``: the same from per-token activation codes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashrl.errors import InputError
-from flashrl.quant.gemm import check_gemm_shape, scaled_linear
+from flashrl.quant.gemm import check_gemm_shape, prequantized_linear, scaled_linear
 from flashrl.quant.primitives import (
     check_float_input,
     dequantize_per_block_shards,
@@ -169,7 +170,8 @@ class QuantExperts(_StackedExperts):
         return int((old.view(torch.uint8) != target.view(torch.uint8)).sum())
 
     def expert_scale(self, expert: int) -> torch.Tensor:
-        """Expert `expert`'s scale as `scaled_linear` takes it (one per row for fused per-tensor)."""
+        """Expert `expert`'s scale as `scaled_linear` takes it (one per row for a fused
+        per-tensor layer)."""
         if self.row_scale is not None:
             return self.row_scale[expert]
         return self.weight_scale[expert]
@@ -184,6 +186,15 @@ class QuantExperts(_StackedExperts):
             None,
             x.dtype,
             self.shard_sizes,
+        )
+
+    def linear_prequantized(
+        self, xq: torch.Tensor, x_scale: torch.Tensor, expert: int, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """`linear` from per-token activation codes made beforehand (`prequantized_linear`): the
+        same bits, one activation quantization for the rows of every expert."""
+        return prequantized_linear(
+            xq, x_scale, self.weight[expert], self.expert_scale(expert), self.scheme, out_dtype
         )
 
     def dequantized_weight(self, expert: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -173,3 +173,25 @@ def scaled_linear(
     else:
         y = fp8_linear(x2, wq, w_scale, scheme, bias, out_dtype)
     return y.reshape(*lead, wq.shape[0])
+
+
+def prequantized_linear(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    scheme: QuantScheme,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``x @ W^T`` (no bias) from per-token activation codes and scales [M, 1] that
+    `quantize_activation` made for these rows (possibly as part of a larger tensor: per-token codes
+    are row-local). The same ops as `int8_linear` / `fp8_linear` after their quantization, so the
+    result is bit-identical; MoE experts quantize their inputs once for all experts this way."""
+    if scheme.activation_granularity != "token":
+        raise ValueError(f"scheme {scheme.name!r} has no per-token activation scales")
+    if scheme.code_dtype == torch.int8:
+        acc = int8_mm(xq, wq)
+        return acc.to(torch.float32).mul_(x_scale).mul_(w_scale.reshape(1, -1)).to(out_dtype)
+    scale_a = x_scale.reshape(-1, 1).expand(xq.shape[0], 1).contiguous()
+    scale_b = w_scale.reshape(1, -1).expand(1, wq.shape[0]).contiguous()
+    return torch._scaled_mm(xq, wq.t(), scale_a, scale_b, out_dtype=out_dtype)
