@@ -122,6 +122,21 @@ def apply_env_config(engine_args: Any) -> list[str]:
     if not engine_args.worker_extension_cls:
         engine_args.worker_extension_cls = wanted["worker_extension_cls"]
         changed.append("worker_extension_cls")
+    changed += _apply_skip_and_kv_cache(engine_args, wanted, method)
+    if changed:
+        logger.info(
+            "FLASHRL_CONFIG set %s",
+            ", ".join(f"{name}={getattr(engine_args, name)!r}" for name in changed),
+        )
+    return changed
+
+
+def _apply_skip_and_kv_cache(
+    engine_args: Any, wanted: dict[str, Any], method: str | None
+) -> list[str]:
+    """The skip list (``hf_overrides``) and the fp8 KV cache of `wanted` (`engine_kwargs` of
+    ``FLASHRL_CONFIG``), where the user left them at their defaults; returns the fields changed."""
+    changed: list[str] = []
     if "hf_overrides" in wanted and engine_args.quantization == method:
         overrides = engine_args.hf_overrides
         if overrides is None or isinstance(overrides, dict):
@@ -145,9 +160,4 @@ def apply_env_config(engine_args: Any) -> list[str]:
                 "at start-up and after each push; an engine whose weights are reloaded by other code runs "
                 "with vLLM's default scales of 1.0"
             )
-    if changed:
-        logger.info(
-            "FLASHRL_CONFIG set %s",
-            ", ".join(f"{name}={getattr(engine_args, name)!r}" for name in changed),
-        )
     return changed
