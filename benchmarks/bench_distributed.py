@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from _common import format_table, write_json
+from _common import format_table, time_fn, write_json
 from flashrl.rl.config_build import build_config
 from flashrl.rl.trainer import Trainer, read_metrics
 
@@ -79,6 +79,14 @@ def part_steps(args: argparse.Namespace) -> dict:
     return {"steps": rows}
 
 
+def copy_time(nbytes: int) -> float:
+    """Median seconds of one in-memory copy of `nbytes` (buffers touched first, so no first-use
+    page faults are timed)."""
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    return time_fn(lambda: dst.copy_(src), torch.device("cpu"), warmup=1, repeat=3)
+
+
 def part_sync(args: argparse.Namespace) -> dict:
     from flashrl.distributed.pool import PoolConfig, WorkerPool
     from flashrl.engine.engine import Engine
@@ -100,11 +108,7 @@ def part_sync(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     local.update_weights(named)
     in_process = time.perf_counter() - start
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    flat = torch.empty(nbytes, dtype=torch.uint8)
-    start = time.perf_counter()
-    buffer.copy_(flat)
-    copy_s = time.perf_counter() - start
+    copy_s = copy_time(nbytes)
     expected = local.model.state_dict()
     pool = WorkerPool(
         functools.partial(make, quant="int8", load_weights=False),
@@ -123,7 +127,9 @@ def part_sync(args: argparse.Namespace) -> dict:
                         "payload": payload,
                         "bytes": out["sync/bytes"],
                         "wall_s": wall,
+                        "check_s": out["plan_s"],
                         "send_s": out["send_s"],
+                        "worker_sync_s": max(v for k, v in out.items() if k.endswith("/sync_s")),
                         "worker_requant_s": out["requant_s"],
                         "GB_per_s": out["sync/bytes"] / wall / 1e9,
                     }
@@ -132,7 +138,8 @@ def part_sync(args: argparse.Namespace) -> dict:
                 assert all(torch.equal(state[k], v) for k, v in expected.items()), payload
     finally:
         pool.shutdown()
-    cols = ["payload", "bytes", "wall_s", "send_s", "worker_requant_s", "GB_per_s"]
+    cols = ["payload", "bytes", "wall_s", "check_s", "send_s", "worker_sync_s"]
+    cols += ["worker_requant_s", "GB_per_s"]
     print(format_table(rows, cols))
     print(
         f"bf16 model bytes {nbytes}, in-process update_weights {in_process:.3f} s, copy {copy_s:.3f} s"

@@ -9,6 +9,7 @@ without it, `require_ray` raises an `UnsupportedError` with the one-line install
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -152,8 +153,10 @@ class WorkerPool:
     def sync(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Broadcast new weights to every worker (phases: plan, stream, finish); returns the bytes
         sent, the trainer's send time and each worker's sync / requant / KV-calibration time."""
+        start = time.perf_counter()
         named = [(n, t.detach()) for n, t in named]
         metas = plan(named, self.config.payload, self.quantized)
+        plan_s = time.perf_counter() - start
         futures = [w.receive.remote(metas) for w in self.workers]
         try:
             sent = self.broadcast.send(payload_tensors(named, metas, self.quantized))
@@ -161,7 +164,7 @@ class WorkerPool:
             self.wait(futures, "receive weights")  # names the worker that broke the group
             raise RolloutWorkerError(f"weight broadcast failed: {err}") from err
         results = self.wait(futures, "receive weights")
-        out = {"sync/bytes": sent["bytes"], "send_s": sent["send_s"]}
+        out = {"sync/bytes": sent["bytes"], "send_s": sent["send_s"], "plan_s": plan_s}
         for i, r in enumerate(results):
             out.update({f"worker{i}/{k}": v for k, v in r.items()})
         out["requant_s"] = max(r["requant_s"] for r in results)

@@ -96,7 +96,8 @@ def plan(
         raise ConfigError(f"run.weight_payload={payload!r} is invalid; allowed: stream, codes")
     out = []
     for name, t in named:
-        if not bool(torch.isfinite(t).all()):
+        # amax / amin propagate NaN and Inf: two reductions, no boolean copy of the tensor
+        if t.numel() and not bool(torch.isfinite(torch.stack([t.amax(), t.amin()])).all()):
             raise WeightError(f"tensor {name!r} has NaN or Inf values; nothing was sent")
         dtype = str(t.dtype).removeprefix("torch.")
         if payload == "codes" and name in quantized:

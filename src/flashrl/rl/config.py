@@ -157,7 +157,9 @@ class RunConfig:
     ray_address: str | None = None
     """None starts a local Ray instance; 'auto' or host:port joins a running cluster."""
     worker_cpus: float = 1.0
+    """Ray CPUs reserved per rollout worker."""
     worker_gpus: float = 0.0
+    """Ray GPUs per rollout worker (> 0: its engine runs on cuda)."""
     worker_tp: int = 1
     """Tensor-parallel size of each worker's engine (backend 'vllm' only)."""
     worker_threads: int = 1

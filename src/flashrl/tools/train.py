@@ -32,7 +32,8 @@ def add_train(sub: argparse._SubParsersAction) -> None:
         "below are the dataclass's; the preset sets some). The flat flags of "
         "flashrl 0.1 (--rollout-quant, --tis-cap, ...) still work, with a "
         "warning. Example: flashrl train --rollout.quant fp8 --run.steps 20 "
-        "--correction.weight none",
+        "--correction.weight none. Rollout workers on Ray: --rollout-workers N "
+        "(--ray-address auto, --async-rollouts; docs/distributed.md).",
     )
     p.add_argument(
         "--preset",
