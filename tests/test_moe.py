@@ -126,3 +126,26 @@ def test_moe_greedy_generation_equals_transformers(family, tiny_models, gen):
             pad_token_id=0,
         )[0, len(prompt) :].tolist()
         assert out.response_ids == ref
+
+
+def test_skip_keeps_experts_in_high_precision(tiny_models, gen):
+    """``skip=("*.experts",)``: experts stay unquantized (the router always is), attention is
+    quantized; logits then differ from the bf16 engine only through attention."""
+    from flashrl.quant.experts import DenseExperts, QuantExperts
+    from flashrl.quant.linear import DenseLinear, QuantLinear
+
+    path = tiny_models("qwen2_moe")
+    e = engine(path, quant="int8", skip=("*.experts",))
+    block = e.model.layers[0].mlp
+    assert isinstance(block.experts.gate_up_proj, DenseExperts)
+    assert isinstance(block.gate, DenseLinear) and isinstance(block.shared_expert_gate, DenseLinear)
+    assert isinstance(block.shared_expert.gate_up_proj, QuantLinear)
+    assert isinstance(e.model.layers[0].self_attn.qkv_proj, QuantLinear)
+    quantized = engine(path, quant="int8").model.layers[0].mlp.experts.down_proj
+    assert isinstance(quantized, QuantExperts)
+
+
+def test_moe_decode_compile_is_refused_with_a_clear_message(tiny_models):
+    e = engine(tiny_models("qwen3_moe"), decode_compile="default", max_len=64)
+    with pytest.raises(Exception, match="decode_compile=None"):
+        e.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from flashrl.errors import UnsupportedError
 from flashrl.model.batch import ForwardBatch, masked_rows
 from flashrl.model.moe_config import MoEConfig
 from flashrl.quant.experts import DenseExperts, QuantExperts, make_experts
@@ -134,6 +135,12 @@ class MoEBlock(nn.Module):
         self.routing_observer: RoutingObserver | None = None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            raise UnsupportedError(
+                "MoE layers run eagerly: Engine(decode_compile=...) is not supported for MoE "
+                "models (grouping tokens by expert has data-dependent shapes); use "
+                "decode_compile=None"
+            )
         shape = x.shape
         flat = masked_rows(x, batch).reshape(-1, shape[-1])
         weights, ids = route(self.gate(flat), self.moe)
