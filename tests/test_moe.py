@@ -149,3 +149,19 @@ def test_moe_decode_compile_is_refused_with_a_clear_message(tiny_models):
     e = engine(tiny_models("qwen3_moe"), decode_compile="default", max_len=64)
     with pytest.raises(Exception, match="decode_compile=None"):
         e.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_skipping_one_expert_tensor_keeps_that_layers_experts_dense(family, tiny_models):
+    """As for a fused layer: a skip entry naming one expert's tensor (what `flashrl profile` and
+    `flashrl setup` write) keeps all experts of that layer in high precision, and only that layer."""
+    from flashrl.quant.experts import DenseExperts, QuantExperts
+
+    path = tiny_models(family)
+    e0 = engine(path)
+    moe = e0.model_config.moe
+    first, last = moe.sparse_layers[0], moe.sparse_layers[-1]
+    name = f"model.layers.{first}.mlp.experts.3.down_proj"
+    e = engine(path, quant="int8", skip=(name,))
+    assert isinstance(e.model.layers[first].mlp.experts.gate_up_proj, DenseExperts)
+    assert isinstance(e.model.layers[last].mlp.experts.gate_up_proj, QuantExperts)

@@ -241,7 +241,15 @@ def _moe_block(
             device,
             intermediate_size=moe.shared_expert_intermediate_size,
         )
-    experts = scheme_for(prefix + "experts", [prefix + "experts"])
+    # like a fused layer: one skipped expert tensor (any naming) keeps the layer's experts in bf16
+    block = f"model.layers.{layer}.{moe.checkpoint_block}."
+    hf_names = [prefix + "experts.gate_up_proj", prefix + "experts.down_proj"] + [
+        f"{p}experts.{e}.{n}"
+        for p in {prefix, block}
+        for e in range(moe.num_experts)
+        for n in (*moe.expert_names, "gate_proj", "up_proj", "down_proj")
+    ]
+    experts = scheme_for(prefix + "experts", hf_names)
     index = moe.sparse_layers.index(layer)
     return MoEBlock(moe, config.hidden_size, index, experts, shared, dtype, device)
 
