@@ -70,9 +70,18 @@ def test_moe_config_errors():
     assert sparse.moe.sparse_layers == (1,)
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_moe_logits_match_transformers(family, tiny_models, gen):
-    path = tiny_models(family)
+VARIANTS = [(f, {}) for f in MOE_FAMILIES] + [
+    ("mixtral", {"sliding_window": 8}),
+    ("qwen2_moe", {"decoder_sparse_step": 2, "qkv_bias": False, "norm_topk_prob": True}),
+    ("qwen3_moe", {"num_experts_per_tok": 3, "norm_topk_prob": False, "mlp_only_layers": []}),
+]
+
+
+@pytest.mark.parametrize(
+    "family,overrides", VARIANTS, ids=lambda v: v if isinstance(v, str) else "-".join(v) or "base"
+)
+def test_moe_logits_match_transformers(family, overrides, tiny_models, gen):
+    path = tiny_models(family, **overrides)
     ids = torch.tensor([random_ids(40, gen)])
     with torch.no_grad():
         ref32 = hf_model(path)(ids).logits[0]
