@@ -169,3 +169,20 @@ def test_replay_matches_engine_with_tied_routers(tied_router_model, gen):
     plain_err = (plain - batch.rollout_logprobs)[mask].abs().max().item()
     assert replay_err < 1e-5, replay_err
     assert plain_err > 100 * max(replay_err, 1e-7), (plain_err, replay_err)
+
+
+def test_capture_with_split_prefills_and_groups(tiny_models, gen):
+    """Prefills split by the token budget and groups split by the cache (n > max_batch): every
+    rollout still gets its full routing; samples prefilled together share the prompt's rows (a
+    group of 3 in a cache of 2 is prefilled as samples 0-1, then 2)."""
+    path = tiny_models("qwen3_moe")
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=2, ignore_eos=True)
+    e = engine(path, max_batch=2, max_prefill_tokens=8)
+    rollouts = RoutingBackend(e).generate(prompts(gen, (5, 9, 3)), params)
+    assert e.stats()["prefill_forwards"] >= 6
+    for r in rollouts:
+        assert r.routed_experts.shape[0] == len(r.prompt_ids) + len(r.response_ids) - 1
+    for first in (0, 3, 6):
+        a, b = rollouts[first], rollouts[first + 1]
+        p = len(a.prompt_ids)
+        assert torch.equal(a.routed_experts[:p], b.routed_experts[:p])
