@@ -281,21 +281,23 @@ is left out: its activation scale spans the batch, which differs between the two
 
 
 @pytest.mark.parametrize(
-    "family,scheme",
+    "family,scheme,eager",
     [
-        ("qwen3_moe", "int8"),
-        ("qwen3_moe", "fp8_block"),
-        ("qwen2_moe", "int8"),
-        ("mixtral", "int8"),
-        ("mixtral", "fp8_channel"),
+        ("qwen3_moe", "int8", True),
+        ("qwen3_moe", "fp8_block", True),
+        ("qwen3_moe", "int8", False),  # torch.compile: the expert op stays opaque
+        ("qwen2_moe", "int8", True),
+        ("mixtral", "int8", True),
+        ("mixtral", "fp8_channel", True),
     ],
 )
-def test_logprobs_agree_with_the_builtin_engine(tmp_path, family, scheme):
+def test_logprobs_agree_with_the_builtin_engine(tmp_path, family, scheme, eager):
     from flashrl.engine import Engine
 
     path = save_tiny_moe_model(tmp_path / family, family=family)
     builtin = Engine(path, quant=scheme, dtype="fp32", device="cpu", progress=False)
-    llm = vllm.LLM(str(path), **engine_kwargs(scheme), **{**LLM_ARGS, "dtype": "float32"})
+    settings = {**LLM_ARGS, "dtype": "float32", "enforce_eager": eager}
+    llm = vllm.LLM(str(path), **engine_kwargs(scheme), **settings)
     try:
         assert len(moe_layers(llm)) >= 2
         routers = {  # routers and Qwen2-MoE's shared-expert gate stay in high precision
@@ -318,3 +320,33 @@ def test_logprobs_agree_with_the_builtin_engine(tmp_path, family, scheme):
     d = torch.cat(deltas)
     stats = {"max": d.max(), "mean": d.mean(), "q98": d.quantile(0.98)}
     assert d.numel() == 192 and all(stats[k] <= LOGPROB_TOL[k] for k in stats), (family, stats)
+
+
+@pytest.mark.parametrize("scheme", QUANT_SCHEMES)
+def test_cuda_kernel_mapping(scheme):
+    """The quant config handed to vLLM's Triton ``fused_experts`` on CUDA (the kernel itself is
+    unmeasured on GPU): the scheme's weight and activation granularity on flashrl's own scales, and
+    no config (flashrl's reference) where vLLM's kernel would quantize differently."""
+    from types import SimpleNamespace
+
+    from flashrl.quant.schemes import get_scheme
+    from flashrl.vllm_backend.moe_methods import stacked_tensors, triton_config
+
+    def layer(hidden, inter):
+        _, s13, _ = stacked_tensors(get_scheme(scheme), 4, 2 * inter, hidden, (inter, inter), "cpu")
+        codes, s2, _ = stacked_tensors(get_scheme(scheme), 4, hidden, inter, (hidden,), "cpu")
+        return SimpleNamespace(w13_weight_scale=s13, w2_weight_scale=s2, w2_weight=codes)
+
+    big, small = layer(256, 128), layer(128, 48)
+    config = triton_config(get_scheme(scheme), big)
+    if scheme == "fp8":  # one scale per gate/up shard; vLLM's per-tensor MoE takes one per expert
+        assert config is None
+        return
+    assert config.w1_scale is big.w13_weight_scale and config.w2_scale is big.w2_weight_scale
+    if scheme == "int8":
+        assert config.use_int8_w8a8 and config.per_act_token_quant
+    elif scheme == "fp8_channel":
+        assert config.use_fp8_w8a8 and config.per_act_token_quant and config.per_out_ch_quant
+    else:
+        assert config.use_fp8_w8a8 and config.block_shape == [128, 128]
+        assert triton_config(get_scheme(scheme), small) is None  # 48 rows: not vLLM's block grid

@@ -160,17 +160,6 @@ class FlashRLFusedMoEMethod(OnlineMoEMethodBase):
         rows = layer.w13_weight.shape[1] if part == "w13" else layer.w2_weight.shape[1]
         return (rows // 2, rows // 2) if part == "w13" else (rows,)
 
-    def part_tensors(self, layer: torch.nn.Module, part: str, expert: int) -> QuantLinear:
-        """The `expert_view` of `part` of `expert` on the layer's current storages."""
-        row = getattr(layer, f"{part}_row_scale", None)
-        return expert_view(
-            self.scheme,
-            getattr(layer, f"{part}_weight").data[expert],
-            getattr(layer, f"{part}_weight_scale").data[expert],
-            None if row is None else row.data[expert],
-            self.shard_sizes(layer, part),
-        )
-
     @torch.no_grad()
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if getattr(layer, direct_load.PROCESSED_FLAG, False):
@@ -208,8 +197,13 @@ class FlashRLFusedMoEMethod(OnlineMoEMethodBase):
     @torch.no_grad()
     def commit(self, layer: torch.nn.Module, part: str, expert: int, weight: torch.Tensor) -> None:
         """Re-quantize one expert's complete staged `part` into the existing storages."""
-        start = time.perf_counter()
-        self.part_tensors(layer, part, expert).requantize_(weight)
+        start, row = time.perf_counter(), getattr(layer, f"{part}_row_scale", None)
+        codes, scale = getattr(layer, f"{part}_weight"), getattr(layer, f"{part}_weight_scale")
+        shards = self.shard_sizes(layer, part)
+        row = None if row is None else row.data[expert]
+        expert_view(self.scheme, codes.data[expert], scale.data[expert], row, shards).requantize_(
+            weight
+        )
         self.record(layer, start)
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> Any:
@@ -226,49 +220,55 @@ class FlashRLFusedMoEMethod(OnlineMoEMethodBase):
     ) -> torch.Tensor:
         if x.is_cuda and triton_config(self.scheme, layer) is not None:
             return triton_experts(self.scheme, layer, x, topk_weights, topk_ids)
-        return reference_experts(self, layer, x, topk_weights, topk_ids)
+        row = getattr(layer, "w13_row_scale", None)
+        return flashrl_moe_experts(
+            x, layer.w13_weight, layer.w13_weight_scale if row is None else row, layer.w2_weight,
+            layer.w2_weight_scale, topk_weights, topk_ids, layer.expert_map, self.scheme.name,
+        )  # fmt: skip
 
 
-def reference_experts(
-    method: FlashRLFusedMoEMethod,
-    layer: torch.nn.Module,
+@torch.library.custom_op("flashrl::vllm_moe_experts", mutates_args=())
+def flashrl_moe_experts(
     x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    scheme: str,
 ) -> torch.Tensor:
     """Sum over the selected experts of ``weight * down(silu(gate(x)) * up(x))``, each GEMM the
-    `QuantLinear` W8A8 GEMM of that expert; tokens are grouped by expert (one GEMM pair per expert
-    with tokens), the weighted sum is accumulated in fp32."""
+    `QuantLinear` W8A8 GEMM of that expert (`scaled_linear`); tokens grouped by expert (one GEMM
+    pair per expert with tokens), the weighted sum accumulated in fp32. A custom op: opaque to
+    torch.compile (its loop depends on the routing)."""
     ids = topk_ids.reshape(-1).long()
-    expert_map = getattr(layer, "expert_map", None)
-    if expert_map is not None:
+    if expert_map is not None:  # expert parallel: global -> local ids, -1 for other ranks
         ids = expert_map[ids].long()
-    weights = topk_weights.reshape(-1).float()
-    order = torch.argsort(ids, stable=True)
-    counts = torch.bincount(ids.clamp_min(0), minlength=layer.w13_weight.shape[0])
-    counts[0] -= int((ids < 0).sum())  # experts of other ranks (-1) were counted as expert 0
-    order = order[int((ids < 0).sum()) :]
-    tokens = order // topk_ids.shape[-1]
-    out = torch.zeros(x.shape[0], layer.w2_weight.shape[1], dtype=torch.float32, device=x.device)
-    w13_scale = getattr(layer, "w13_row_scale", None)
-    if w13_scale is None:
-        w13_scale = layer.w13_weight_scale
-    inter = layer.w2_weight.shape[2]
+    weights, order = topk_weights.reshape(-1).float(), torch.argsort(ids, stable=True)
+    foreign = int((ids < 0).sum())
+    counts = torch.bincount(ids.clamp_min(0), minlength=w13.shape[0])
+    counts[0] -= foreign  # other ranks' experts (-1) were counted as expert 0 and sort first
+    order = order[foreign:]
+    tokens, inter, quant = order // topk_ids.shape[-1], w2.shape[2], get_scheme(scheme)
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for e, count in enumerate(counts.tolist()):
         if not count:
             continue
         rows, picked = tokens[start : start + count], order[start : start + count]
         start += count
-        h = scaled_linear(
-            x[rows], layer.w13_weight[e], w13_scale[e], method.scheme, None, x.dtype, (inter, inter)
-        )
+        h = scaled_linear(x[rows], w13[e], w13_scale[e], quant, None, x.dtype, (inter, inter))
         a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
-        y = scaled_linear(
-            a, layer.w2_weight[e], layer.w2_weight_scale[e], method.scheme, None, x.dtype
-        )
+        y = scaled_linear(a, w2[e], w2_scale[e], quant, None, x.dtype)
         out.index_add_(0, rows, y.float() * weights[picked, None])
     return out.to(x.dtype)
+
+
+@flashrl_moe_experts.register_fake
+def _(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map, scheme):
+    return x.new_empty((x.shape[0], w2.shape[1]))
 
 
 def triton_config(scheme: QuantScheme, layer: torch.nn.Module) -> Any:
