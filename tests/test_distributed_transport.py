@@ -157,3 +157,54 @@ def test_a_hanging_worker_is_named_within_the_deadline():
         pool.wait(futures, "generate")
     assert time.perf_counter() - start < 10
     ray.cancel(futures[1], force=True)
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_instance")
+def test_workers_recalibrate_fp8_kv_scales_like_the_engine(models):
+    """fp8 KV cache with calibrated scales: after generating and a stream sync, a worker's KV scales
+    (recalibrated on its recent sequences) equal an in-process engine's after the same calls."""
+    from flashrl.distributed.pool import PoolConfig, WorkerPool
+    from flashrl.distributed.rollouts import PoolRollouts
+
+    old, new = models
+    kv = dict(kv_cache_dtype="fp8", kv_scale="calibrated")
+    factory = functools.partial(engine_factory(old), **kv)
+    named = [(n, t.float()) for n, t in iter_checkpoint(new)]
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=3)
+    reference = factory()
+    local = LocalRollouts(reference, 1)
+    expected_rollouts = local.collect(local.submit(prompts, params))
+    before = reference.kv_scales.k.clone()
+    reference.update_weights(named)
+    pool = WorkerPool(factory, PoolConfig(workers=1, timeout_s=120))
+    try:
+        remote = PoolRollouts(pool, 1)
+        rollouts = remote.collect(remote.submit(prompts, params))
+        out = pool.sync(named)
+        state = pool.call("state")[0]
+    finally:
+        pool.shutdown()
+    assert [r.response_ids for r in rollouts] == [r.response_ids for r in expected_rollouts]
+    assert out["kv_calibration_s"] > 0
+    assert not torch.equal(before, reference.kv_scales.k)  # new weights, new scales
+    assert torch.equal(state["kv_scales.k"], reference.kv_scales.k)
+    assert torch.equal(state["kv_scales.v"], reference.kv_scales.v)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"run.async_rollouts": True}, "needs run.rollout_workers >= 1"),
+        ({"run.rollout_workers": -1}, "run.rollout_workers=-1"),
+        ({"run.weight_payload": "fp8"}, "allowed: stream, codes"),
+        ({"run.rollout_workers": 2, "run.worker_tp": 2}, "needs run.backend=vllm"),
+    ],
+)
+def test_worker_config_errors_name_the_field(overrides, match):
+    from flashrl.errors import ConfigError
+    from flashrl.rl.config_build import build_config
+
+    with pytest.raises(ConfigError, match=match):
+        build_config("tiny-cpu", None, overrides)

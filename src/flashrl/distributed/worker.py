@@ -90,8 +90,13 @@ class RolloutWorker:
         return {**self.backend.stats(), **{f"worker/{k}": v for k, v in self.totals.items()}}
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The engine's weights, codes and scales (for tests comparing workers bit for bit)."""
-        return {k: v.clone() for k, v in self.backend.model.state_dict().items()}
+        """The engine's weights, codes and scales, and its calibrated fp8 KV scales if any (for
+        tests comparing workers bit for bit)."""
+        out = {k: v.clone() for k, v in self.backend.model.state_dict().items()}
+        scales = self.backend.kv_scales
+        if scales is not None:
+            out |= {"kv_scales.k": scales.k.clone(), "kv_scales.v": scales.v.clone()}
+        return out
 
     def ping(self) -> int:
         return self.index
