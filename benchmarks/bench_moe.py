@@ -10,7 +10,8 @@ Columns:
   `--output-len` tokens after a `--prompt-len` prompt; the second of two generate calls);
 - ``op_share``: the share of a decode step's wall time spent inside torch ops (torch.profiler self
   CPU time of every op over a few steps / their wall time); 1 - op_share is Python overhead;
-- ``expert_gemms``: expert GEMM calls per decode step (two per expert with tokens per MoE layer);
+- ``expert_gemms``: expert GEMM calls per decode step (quantized: two per expert with tokens per
+  MoE layer; unquantized: two grouped GEMMs per MoE layer);
 - ``update_s`` / ``requant_s``: `Engine.update_weights` of the whole model (the fused 3-D names a
   `transformers` 5.x trainer sends) / its re-quantization part; ``copy_s``: copying the same
   tensors into preallocated buffers of their dtype (the floor of any in-place update);
@@ -32,6 +33,7 @@ from torch.profiler import profile
 
 from _common import device_name, format_table, time_fn, write_json
 from flashrl.engine import Engine, SamplingParams
+from flashrl.model.moe import grouped_mm_available
 from flashrl.quant.experts import DenseExperts, QuantExperts
 from flashrl.rl.presets import TINY_MOE_MODEL
 from flashrl.tools.bench import random_model_dir
@@ -74,6 +76,12 @@ def fused_update(engine: Engine, seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def expert_gemms_per_step(engine: Engine, batch: int) -> int:
+    """Expert GEMM calls of one decode step: two grouped GEMMs per MoE layer for unquantized
+    experts (`grouped_mm_available`), else two per expert with tokens."""
+    blocks = engine.model.moe_blocks()
+    probe = torch.empty(0, dtype=engine.dtype, device=engine.device)
+    if isinstance(blocks[0].experts.gate_up_proj, DenseExperts) and grouped_mm_available(probe):
+        return 2 * len(blocks)
     counts = []
     engine.model.set_routing_observer(lambda i, ids: counts.append(ids[:batch].unique().numel()))
     cache = engine.runner.ensure_cache()

@@ -250,7 +250,8 @@ def test_moe_checkpoint_missing_expert_is_refused(moe_pair, tmp_path):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_grouped_experts_equal_per_expert_linear(scheme, gen):
     """`grouped_experts` (per-token schemes quantize each projection's input once for all experts)
-    gives the bits of running every expert's `linear` on its rows, then weighting and summing."""
+    gives the bits of running every expert's `linear` on its rows, then weighting and summing; the
+    bf16 scheme's grouped GEMMs agree to bf16 rounding (measured: equal on this CPU)."""
     from flashrl.model.moe import grouped_experts
 
     e, h, i, tokens, k = 6, 64, 40, 19, 2
@@ -271,7 +272,11 @@ def test_grouped_experts_equal_per_expert_linear(scheme, gen):
         out[rows] = down.linear(torch.nn.functional.silu(g) * u, expert)
     weighted = torch.empty_like(out)
     weighted[order] = out * weights.reshape(-1)[order, None]
-    assert torch.equal(got, weighted.view(tokens, k, h).sum(1))
+    want = weighted.view(tokens, k, h).sum(1)
+    if scheme == "bf16":  # grouped_mm vs per-expert GEMMs: kernels may sum in another order
+        assert (got.float() - want.float()).abs().max() <= 0.01 * want.abs().max()
+    else:
+        assert torch.equal(got, want)
 
 
 @pytest.mark.gpu

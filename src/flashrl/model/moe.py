@@ -64,14 +64,19 @@ def grouped_experts(
     down: QuantExperts | DenseExperts,
 ) -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for x [T, H]: (token, expert) pairs
-    sorted by expert, one SwiGLU per expert with tokens (one host sync for the counts)."""
+    sorted by expert. Unquantized experts run two grouped GEMMs (`grouped_mm_available`);
+    quantized ones one GEMM per expert with tokens and projection (one host sync for the
+    counts), with the same kernels as `QuantLinear`."""
     tokens, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
+    xs = x[order // k]
+    if isinstance(gate_up, DenseExperts) and grouped_mm_available(x):
+        out = _grouped_dense_experts(xs, flat, gate_up, down)
+        return _combine(out, order, weights, tokens, k, x.dtype)
     counts = torch.bincount(flat, minlength=gate_up.num_experts).tolist()
     starts = [sum(counts[:e]) for e in range(len(counts))]
     active = [(e, slice(starts[e], starts[e] + c)) for e, c in enumerate(counts) if c]
-    xs = x[order // k]
     if isinstance(gate_up, QuantExperts) and gate_up.scheme.activation_granularity == "token":
         out = _token_quantized_experts(xs, active, gate_up, down)
     else:
@@ -80,10 +85,52 @@ def grouped_experts(
         for expert, rows in active:
             gate, up = gate_up.linear(xs[rows], expert).split(inter, dim=-1)
             out[rows] = down.linear(F.silu(gate) * up, expert)
+    return _combine(out, order, weights, tokens, k, x.dtype)
+
+
+def _combine(
+    out: torch.Tensor,
+    order: torch.Tensor,
+    weights: torch.Tensor,
+    tokens: int,
+    k: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Expert outputs of the sorted pairs times their weights, back in token order, summed over
+    each token's k pairs (as transformers' grouped_mm experts)."""
     weighted = out * weights.reshape(-1)[order, None]
     unsorted = torch.empty_like(weighted)
     unsorted[order] = weighted
-    return unsorted.view(tokens, k, -1).sum(dim=1).to(x.dtype)
+    return unsorted.view(tokens, k, -1).sum(dim=1).to(dtype)
+
+
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """Whether `torch.nn.functional.grouped_mm` serves unquantized experts for `x`: on the CPU
+    (any float dtype), and on CUDA for bf16 on compute capability 8.0 or newer (torch's kernel
+    requirements); elsewhere the per-expert loop runs. A speed choice: the CPU tests check that
+    both give the same bits (tests/test_moe_experts.py)."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return True
+    return (
+        x.device.type == "cuda"
+        and x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    )
+
+
+def _grouped_dense_experts(
+    xs: torch.Tensor, flat_ids: torch.Tensor, gate_up: DenseExperts, down: DenseExperts
+) -> torch.Tensor:
+    """Unquantized experts as two grouped GEMMs over the expert-sorted rows `xs` (no host sync,
+    no per-expert Python loop); `flat_ids` are the pairs' expert ids (unsorted)."""
+    counts = torch.bincount(flat_ids, minlength=gate_up.num_experts)
+    offsets = torch.cumsum(counts, dim=0).to(torch.int32)
+    inter = gate_up.out_features // 2
+    hidden = F.grouped_mm(xs, gate_up.weight.transpose(-2, -1), offs=offsets)
+    act = F.silu(hidden[:, :inter]) * hidden[:, inter:]
+    return F.grouped_mm(act, down.weight.transpose(-2, -1), offs=offsets)
 
 
 def _token_quantized_experts(
