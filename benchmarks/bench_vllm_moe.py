@@ -22,6 +22,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from _common import format_table, write_json
 
@@ -61,53 +62,60 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-moe-"))
     path = save_tiny_moe_model(root / args.preset, family="qwen3_moe", **PRESETS[args.preset])
     state = load_state_dict(path)
-    buffers = {n: torch.empty_like(t) for n, t in state.items()}
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, 256, (16,), generator=gen).tolist()}]
     prompts = prompts * args.batch
-    params = vllm.SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
     results = []
     for row in args.rows.split(","):
-        llm = vllm.LLM(
-            str(path), dtype="bfloat16", max_model_len=128, max_num_seqs=args.batch, seed=0,
-            **engine_kwargs(row),
-        )  # fmt: skip
-        model = llm.apply_model(lambda m: m)[0]
-        expert_bytes = sum(
-            t.numel() * t.element_size()
-            for n, t in model.named_parameters()
-            if ".experts." in n and "shared" not in n
-        )
-        llm.generate(prompts, params, use_tqdm=False)  # warm-up
-        walls = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            walls.append(time.perf_counter() - start)
-        sync = WeightSync(llm)
-        pushes = [sync.push(state.items()) for _ in range(args.repeats)]
-        copies = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            for name, tensor in state.items():
-                buffers[name].copy_(tensor)
-            copies.append(time.perf_counter() - start)
+        kwargs = engine_kwargs(row)
         results.append(
-            {
-                "row": row,
-                "tok_s": args.batch * args.output_len / statistics.median(walls),
-                "requant_s": statistics.median(p["requant_s"] for p in pushes),
-                "transfer_s": statistics.median(p["transfer_s"] for p in pushes),
-                "copy_s": statistics.median(copies),
-                "expert_mb": expert_bytes / 2**20,
-                "layers_requantized": pushes[-1]["layers_requantized"],
-            }
+            {"row": row, **measure(vllm, kwargs, WeightSync, path, state, prompts, args)}
         )
-        llm.llm_engine.engine_core.shutdown()
-        del llm, model
     print(format_table(results, list(results[0])))
     if args.json:
         write_json(args.json, {"preset": args.preset, "args": vars(args), "results": results})
+
+
+def measure(
+    vllm: Any, kwargs: dict, WeightSync: Any, path: Path, state: dict, prompts: list, args: Any
+) -> dict[str, float]:
+    """One row: decode tokens/s, WeightSync push split, copy floor, expert bytes."""
+    import torch
+
+    params = vllm.SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
+    llm = vllm.LLM(
+        str(path), dtype="bfloat16", max_model_len=128, max_num_seqs=args.batch, seed=0, **kwargs
+    )
+    model = llm.apply_model(lambda m: m)[0]
+    expert_bytes = sum(
+        t.numel() * t.element_size()
+        for n, t in model.named_parameters()
+        if ".experts." in n and "shared" not in n
+    )
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    walls = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - start)
+    sync = WeightSync(llm)
+    pushes = [sync.push(state.items()) for _ in range(args.repeats)]
+    buffers = {n: torch.empty_like(t) for n, t in state.items()}
+    copies = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        for name, tensor in state.items():
+            buffers[name].copy_(tensor)
+        copies.append(time.perf_counter() - start)
+    llm.llm_engine.engine_core.shutdown()
+    return {
+        "tok_s": args.batch * args.output_len / statistics.median(walls),
+        "requant_s": statistics.median(p["requant_s"] for p in pushes),
+        "transfer_s": statistics.median(p["transfer_s"] for p in pushes),
+        "copy_s": statistics.median(copies),
+        "expert_mb": expert_bytes / 2**20,
+        "layers_requantized": pushes[-1]["layers_requantized"],
+    }
 
 
 if __name__ == "__main__":

@@ -273,6 +273,34 @@ def test_incomplete_expert_keeps_old_weights_and_is_reported(checkpoints, int8_l
     assert_same(snapshot(int8_llm), before, "after restoring expert 5")
 
 
+def test_push_of_some_experts_keeps_the_others(checkpoints, int8_llm):
+    """`WeightSync.push` of two experts of one layer (layerwise reload of a partial layer): those
+    experts equal QuantLinear of the new weights, every other tensor keeps its bits (without flashrl,
+    vLLM would quantize the unsent experts from uninitialized memory); pushing them back restores."""
+    before = snapshot(int8_llm)
+    picked = ("layers.0.mlp.experts.2.", "layers.0.mlp.experts.5.")
+    new = {k: v for k, v in checkpoints["perturbed_files"].items() if any(p in k for p in picked)}
+    assert len(new) == 6
+    WeightSync(int8_llm).push(new.items())
+    after, layer = (
+        snapshot(int8_llm),
+        moe_layers(int8_llm)["model.layers.0.mlp.experts.routed_experts"],
+    )
+    for e in range(EXPERTS):
+        for part in ("w13", "w2"):
+            name = f"model.layers.0.mlp.experts.routed_experts.{part}_weight"
+            assert torch.equal(after[name][e], before[name][e]) == (e not in (2, 5)), (e, part)
+    _, w2 = expert_weights(checkpoints["perturbed_files"], 0, 5)
+    ref = QuantLinear.from_linear(_linear(w2.to(torch.bfloat16)), "int8")
+    assert layer.w2_weight[5].equal(ref.weight) and layer.w2_weight_scale[5].equal(ref.weight_scale)
+    moe = "model.layers.0.mlp.experts.routed_experts."
+    assert_same({k: v for k, v in after.items() if not k.startswith(moe)},
+                {k: v for k, v in before.items() if not k.startswith(moe)}, "other layers")  # fmt: skip
+    base = load_file(str(checkpoints["base"] / "model.safetensors"))
+    WeightSync(int8_llm).push([(k, base[k]) for k in new])
+    assert_same(snapshot(int8_llm), before, "after pushing the two experts back")
+
+
 LOGPROB_TOL = {"max": 0.25, "mean": 2e-3, "q98": 1e-2}
 """vLLM fp32 vs the built-in engine fp32, same scheme, 192 sampled tokens. Measured (shared 2-core
 AMD EPYC): max 1e-2..0.12 and q98 up to 6e-3 (activation codes that round the other way, then

