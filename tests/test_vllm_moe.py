@@ -224,6 +224,18 @@ def int8_llm(checkpoints):
     shutdown(llm)
 
 
+def test_skip_list_keeps_experts_in_high_precision(int8_llm):
+    from flashrl.vllm_backend.moe_methods import FlashRLFusedMoEMethod
+    from flashrl.vllm_backend.quant_methods import FlashRLInt8Config
+
+    layer = next(iter(moe_layers(int8_llm).values()))
+    prefix = layer.layer_name  # what vLLM passes to get_quant_method: model.layers.0.mlp.experts
+    assert prefix == "model.layers.0.mlp.experts"
+    assert isinstance(layer.quant_method, FlashRLFusedMoEMethod)
+    assert isinstance(FlashRLInt8Config().get_quant_method(layer, prefix), FlashRLFusedMoEMethod)
+    assert FlashRLInt8Config(skip=["*.experts"]).get_quant_method(layer, prefix) is None
+
+
 @pytest.mark.parametrize("bad", ["nan", "inf", "int32"])
 def test_bad_expert_tensor_is_refused_with_the_layer_unchanged(checkpoints, int8_llm, bad):
     model = model_of(int8_llm)

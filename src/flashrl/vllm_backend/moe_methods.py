@@ -122,7 +122,7 @@ class FlashRLFusedMoEMethod(OnlineMoEMethodBase):
                 f"{name}: flashrl quantizes SwiGLU experts without biases, routing weights applied "
                 f"to the output (Qwen3-MoE, Qwen2-MoE, Mixtral); got activation "
                 f"{self.moe.activation.value}, bias={self.moe.has_bias}; skip it with "
-                "skip=['*.mlp.experts']"
+                "skip=['*.experts']"
             )
         device, inter = torch.device(current_platform.device_type), intermediate_size_per_partition
         check_gemm_shape(self.scheme, hidden_size, 2 * inter, device)
