@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -40,97 +39,15 @@ import transformers
 from flashrl.core.config import KV_CACHE_DTYPES
 from flashrl.core.device import DTYPES, peak_memory_bytes, resolve_device, resolve_dtype
 from flashrl.core.sampling import SamplingParams
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.engine.decode import COMPILE_MODES
 from flashrl.engine.kv_cache import KVCache
-from flashrl.errors import ConfigError, InputError
+from flashrl.errors import ConfigError
 from flashrl.model.config import ModelConfig
 from flashrl.quant.schemes import parse_scheme_list
-from flashrl.tools.moe_configs import MOE_RANDOM_CONFIGS
-from flashrl.utils import device_name, format_table, synchronize
-
-# Real model dimensions (from the public config.json files) for `--random-weights NAME`.
-_QWEN2 = dict(architectures=["Qwen2ForCausalLM"], rope_theta=1000000.0)
-RANDOM_CONFIGS: dict[str, dict] = {
-    "tiny-bench": dict(
-        **_QWEN2,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=8192,
-        tie_word_embeddings=False,
-        max_position_embeddings=4096,
-    ),
-    "qwen2.5-0.5b": dict(
-        **_QWEN2,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-    ),
-    "qwen2.5-1.5b": dict(
-        **_QWEN2,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-    ),
-    "qwen2.5-7b": dict(
-        **_QWEN2,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-        max_position_embeddings=32768,
-    ),
-    "qwen3-8b": dict(
-        architectures=["Qwen3ForCausalLM"],
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=False,
-        rope_theta=1000000.0,
-        max_position_embeddings=40960,
-    ),
-    "llama3.1-8b": dict(
-        architectures=["LlamaForCausalLM"],
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-        rope_theta=500000.0,
-        max_position_embeddings=131072,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
-}
-RANDOM_CONFIGS.update(MOE_RANDOM_CONFIGS)  # tiny-moe-bench, mid-moe-bench, qwen3-30b-a3b
-_COMMON = dict(rms_norm_eps=1e-6, hidden_act="silu", bos_token_id=1, eos_token_id=2)
+from flashrl.tools.bench_configs import random_model_dir
+from flashrl.tools.bench_report import COLUMNS, BenchRow, format_rows  # noqa: F401
+from flashrl.utils import device_name, synchronize
 
 
 @dataclass
@@ -195,49 +112,6 @@ class BenchConfig:
                 )
 
 
-@dataclass(kw_only=True)
-class BenchRow:
-    """One row of the table: a scheme x KV dtype x compile mode, or the transformers row (which
-    fills only scheme, tokens_per_s, tokens and vs_first). Unset (None) columns are left out of
-    the JSON."""
-
-    scheme: str
-    kv_cache_dtype: str | None = None
-    compile: str | None = None
-    buckets: bool | None = None
-    tokens_per_s: float
-    warmup_s: float | None = None
-    decode_step_ms: float | None = None
-    decode_shapes: int | None = None
-    ttft_s: float | None = None
-    prefill_forwards: int | None = None
-    decode_s: float | None = None
-    decode_steps: int | None = None
-    sync_s: float | None = None
-    requant_s: float | None = None
-    kv_calib_s: float | None = None
-    weight_gib: float | None = None
-    kv_gib: float | None = None
-    kv_bytes_per_token: int | None = None
-    kv_capacity_tokens: int | None = None
-    max_sequences: int | None = None
-    kv_kl: float | None = None
-    peak_gib: float | None = None
-    tokens: int
-    vs_first: float | None = None
-    floor_tokens_per_s: float | None = None
-    vs_floor: float | None = None
-    weight_bytes: int | None = field(default=None, repr=False)
-    """Weight memory in bytes (for the bandwidth floor; not a column)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name != "weight_bytes" and getattr(self, f.name) is not None
-        }
-
-
 @dataclass
 class BenchResult:
     """What `run_bench` measured: the rows and the machine."""
@@ -258,39 +132,6 @@ class BenchResult:
             torch=self.torch,
             rows=[row.to_dict() for row in self.rows],
         )
-
-
-def random_model_dir(name_or_path: str, root: Path) -> Path:
-    """A model directory holding only a config.json of the named dimensions (or the given file)."""
-    if name_or_path in RANDOM_CONFIGS:
-        raw = {**_COMMON, **RANDOM_CONFIGS[name_or_path]}
-        raw["model_type"] = (
-            raw.get("model_type")
-            or {
-                "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3",
-                "LlamaForCausalLM": "llama",
-            }[raw["architectures"][0]]
-        )
-    else:
-        path = Path(name_or_path)
-        if not path.is_file():
-            raise ConfigError(
-                f"--random-weights {name_or_path!r}: not a config.json file nor one "
-                f"of {', '.join(RANDOM_CONFIGS)}"
-            )
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise InputError(f"--random-weights {name_or_path}: not a JSON file ({err})") from None
-        if not isinstance(raw, dict) or not isinstance(raw.get("vocab_size"), int):
-            raise InputError(
-                f"--random-weights {name_or_path}: expected a Hugging Face "
-                f"config.json (an object with an integer vocab_size)"
-            )
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(raw))
-    return root
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> float:
@@ -356,6 +197,49 @@ def _timed_generate(
     return outs, warmup, time.perf_counter() - start, before, engine.stats()
 
 
+def _kv_capacity(
+    engine: Engine, budget_gib: float | None, kv_cache_dtype: str, max_len: int
+) -> dict[str, int]:
+    """``kv_capacity_tokens`` and ``max_sequences`` (of `max_len` tokens) that `budget_gib` of KV
+    cache holds at this engine's dimensions; empty without a budget."""
+    if budget_gib is None:
+        return {}
+    c = engine.model_config
+    kv_tokens = KVCache.capacity_tokens(
+        int(budget_gib * 2**30),
+        c.num_layers,
+        c.num_kv_heads,
+        c.head_dim,
+        engine.dtype,
+        kv_cache_dtype,
+        engine.kv_scale_granularity or "layer",
+    )
+    return dict(kv_capacity_tokens=kv_tokens, max_sequences=kv_tokens // max_len)
+
+
+def _make_engine(
+    model_dir: Path,
+    scheme: str,
+    cfg: BenchConfig,
+    random: bool,
+    kv_cache_dtype: str,
+    compile: str | None,
+) -> Engine:
+    """The engine of one row (random weights: uninitialised, filled by the caller)."""
+    engine_config = EngineConfig(
+        dtype=cfg.dtype,
+        device=cfg.device,
+        max_batch=cfg.batch,
+        max_len=cfg.prompt_len + cfg.output_len,
+        progress=False,
+        load_weights=not random,
+        decode_compile=compile,
+        decode_buckets=cfg.decode_buckets,
+        max_prefill_tokens=cfg.max_prefill_tokens,
+    )
+    return Engine(model_dir, scheme, engine_config, kv_cache_dtype=kv_cache_dtype)
+
+
 def _bench_engine(
     model_dir: Path,
     scheme: str,
@@ -366,20 +250,7 @@ def _bench_engine(
     compile: str | None = None,
 ) -> BenchRow:
     max_len = cfg.prompt_len + cfg.output_len
-    engine = Engine(
-        model_dir,
-        quant=scheme,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        max_batch=cfg.batch,
-        max_len=max_len,
-        progress=False,
-        load_weights=not random,
-        kv_cache_dtype=kv_cache_dtype,
-        decode_compile=compile,
-        decode_buckets=cfg.decode_buckets,
-        max_prefill_tokens=cfg.max_prefill_tokens,
-    )
+    engine = _make_engine(model_dir, scheme, cfg, random, kv_cache_dtype, compile)
     if random:
         engine.init_random_weights_(seed=cfg.seed)
     if engine.device.type == "cuda":
@@ -394,19 +265,7 @@ def _bench_engine(
     new_weights = list(engine.random_weights(cfg.seed + 1))  # drawn first: only the push is timed
     sync = engine.update_weights(new_weights)
     del new_weights
-    capacity = {}
-    if cfg.kv_budget_gib is not None:
-        c = engine.model_config
-        kv_tokens = KVCache.capacity_tokens(
-            int(cfg.kv_budget_gib * 2**30),
-            c.num_layers,
-            c.num_kv_heads,
-            c.head_dim,
-            engine.dtype,
-            kv_cache_dtype,
-            engine.kv_scale_granularity or "layer",
-        )
-        capacity = dict(kv_capacity_tokens=kv_tokens, max_sequences=kv_tokens // max_len)
+    capacity = _kv_capacity(engine, cfg.kv_budget_gib, kv_cache_dtype, max_len)
     steps = after["decode_steps"] - before["decode_steps"]
     return BenchRow(
         scheme=scheme,
@@ -517,31 +376,3 @@ def _release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-COLUMNS = [
-    "scheme",
-    "kv_cache_dtype",
-    "compile",
-    "buckets",
-    "tokens_per_s",
-    "vs_first",
-    "decode_step_ms",
-    "decode_shapes",
-    "warmup_s",
-    "ttft_s",
-    "sync_s",
-    "requant_s",
-    "kv_calib_s",
-    "weight_gib",
-    "kv_gib",
-    "max_sequences",
-    "kv_kl",
-    "peak_gib",
-    "vs_floor",
-]
-
-
-def format_rows(rows: list[BenchRow], columns: list[str] = COLUMNS) -> str:
-    table = [row.to_dict() for row in rows]
-    return format_table(table, [c for c in columns if any(c in r for r in table)])
