@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ from flashrl.core.device import peak_memory_bytes, resolve_device, resolve_dtype
 from flashrl.core.env import from_env
 from flashrl.core.rollout import Rollout, RolloutBackend
 from flashrl.core.sampling import SamplingParams
-from flashrl.correction import compute_correction, ppo_clip_loss
+from flashrl.correction import compute_correction
 from flashrl.errors import CheckpointError
 from flashrl.rl import algo
 from flashrl.rl import checkpoint as ckpt
@@ -56,6 +55,7 @@ from flashrl.rl.metrics import rollout_metrics
 from flashrl.rl.plan import plan_run
 from flashrl.rl.rewards import get_reward
 from flashrl.rl.routing_replay import build_batch, replay_backend, replay_routing
+from flashrl.rl.update import ppo_update
 from flashrl.rl.workers import make_backend, make_rollouts
 from flashrl.utils import synchronize
 
@@ -83,26 +83,7 @@ class Trainer:
         resume_dir, state, damaged, discard = plan_run(config, self.output_dir)
         source_dir = resume_dir or self.model_dir
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
-        dtype = resolve_dtype(config.run.trainer_dtype)
-        # a checkpoint's weights load from safetensors only (never a pickled pytorch_model.bin)
-        self.policy = transformers.AutoModelForCausalLM.from_pretrained(
-            source_dir, dtype=dtype, use_safetensors=True if resume_dir else None
-        ).to(self.device)
-        self.policy.config.use_cache = False
-        self.reference = None
-        if config.algo.kl_coef > 0:
-            self.reference = (
-                transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
-                .to(self.device)
-                .eval()
-            )
-            self.reference.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(),
-            lr=config.algo.lr,
-            weight_decay=config.algo.weight_decay,
-            betas=(0.9, 0.999),
-        )
+        self._load_models(source_dir, from_checkpoint=resume_dir is not None)
         self.source = self._prompt_source()
         self.reward_fn = get_reward(config.data.reward)
         self.correction = config.correction
@@ -132,6 +113,29 @@ class Trainer:
             ckpt.truncate_metrics(self.metrics_path, self.step)
 
     # ------------------------------------------------------------------ set-up helpers
+
+    def _load_models(self, source_dir: Path, from_checkpoint: bool) -> None:
+        """The policy (from `source_dir`), the frozen reference (KL penalty only) and AdamW."""
+        import transformers
+
+        c = self.config.algo
+        dtype = resolve_dtype(self.config.run.trainer_dtype)
+        # a checkpoint's weights load from safetensors only (never a pickled pytorch_model.bin)
+        self.policy = transformers.AutoModelForCausalLM.from_pretrained(
+            source_dir, dtype=dtype, use_safetensors=True if from_checkpoint else None
+        ).to(self.device)
+        self.policy.config.use_cache = False
+        self.reference = None
+        if c.kl_coef > 0:
+            self.reference = (
+                transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+                .to(self.device)
+                .eval()
+            )
+            self.reference.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=c.lr, weight_decay=c.weight_decay, betas=(0.9, 0.999)
+        )
 
     def _model_dir(self) -> Path:
         if self.config.model is None or self.config.model.startswith("builtin:"):
@@ -236,7 +240,6 @@ class Trainer:
         return metrics
 
     def _update(self, batch: Batch, t: dict[str, float]) -> dict[str, float]:
-        c, micro = self.config.algo, self.config.run.micro_batch_size
         mark = time.perf_counter()
         self.policy.eval()
         with torch.no_grad():
@@ -255,54 +258,21 @@ class Trainer:
 
         mark = time.perf_counter()
         self.policy.train()
-        stats_sum: dict[str, float] = {}
-        grad_norms: list[float] = []
-        count = 0
-        mini = len(batch) // c.mini_batches
-        for m in range(c.mini_batches):
-            rows = slice(m * mini, (m + 1) * mini)
-            mb_mask = corr.mask[rows]
-            denominator = (
-                float(mb_mask.sum()) if c.loss_aggregation == "token_mean" else float(mini)
-            )
-            for lr_group in self.optimizer.param_groups:
-                lr_group["lr"] = self._lr()
-            for start in range(rows.start, rows.stop, micro):
-                sub = slice(start, min(start + micro, rows.stop))
-                part = batch.select(sub)
-                lp, _ = self._logprobs(self.policy, part)
-                loss, stats = ppo_clip_loss(
-                    lp,
-                    ratio_base[sub],
-                    part.advantages,
-                    corr.mask[sub],
-                    corr.weights[sub],
-                    clip_low=c.clip_low,
-                    clip_high=c.clip_high,
-                    dual_clip=c.dual_clip,
-                    aggregation=c.loss_aggregation,
-                    loss_scale_denominator=max(denominator, 1.0),
-                    max_length=c.max_response_tokens,
-                )
-                if ref is not None:
-                    kl = algo.kl_penalty(lp, ref[sub], "k3")
-                    kl_loss = (kl * corr.mask[sub]).sum() / max(denominator, 1.0)
-                    loss = loss + c.kl_coef * kl_loss
-                    stats["kl_ref"] = kl_loss.item()
-                loss.backward()
-                for k, v in stats.items():
-                    stats_sum[k] = stats_sum.get(k, 0.0) + v
-                count += 1
-            max_norm = c.grad_clip if c.grad_clip > 0 else math.inf
-            grad_norms.append(
-                float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
-            )
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        actor = ppo_update(
+            self.policy,
+            self.optimizer,
+            batch,
+            corr,
+            ratio_base,
+            ref,
+            lambda part: self._logprobs(self.policy, part)[0],
+            self.config.algo,
+            self.config.run.micro_batch_size,
+            self._lr(),
+        )
         synchronize(self.device)
         t["train"] = time.perf_counter() - mark
-        metrics.update({f"actor/{k}": v / count for k, v in stats_sum.items()})
-        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics.update({f"actor/{k}": v for k, v in actor.items()})
         metrics["actor/lr"] = self._lr()
         return metrics
 
