@@ -2,7 +2,8 @@
 (`flashrl setup` then writes a config file that applies the answer).
 
 Needs only the bf16 checkpoint; works on every architecture the engine loads (Llama, Mistral, Qwen2,
-Qwen3), because it measures the engine's own linear layers. Steps of `run_profile`:
+Qwen3, and the MoE families, per expert: `flashrl.tools.profile_experts`), because it measures the
+engine's own linear layers. Steps of `run_profile`:
 
 1. Calibration data: prompts (a file, else the built-in `CALIBRATION_PROMPTS`, else, for a model
    without a tokenizer, seeded random token ids) and one response per prompt sampled by the bf16

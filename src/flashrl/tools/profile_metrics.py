@@ -16,7 +16,9 @@ from flashrl.correction import mismatch_metrics
 from flashrl.engine import Engine
 from flashrl.model.batch import ForwardBatch, pad_right
 from flashrl.model.decoder import GATE_UP_SHARDS, QKV_SHARDS
+from flashrl.model.moe import MoEBlock
 from flashrl.quant.linear import DenseLinear, QuantLinear
+from flashrl.tools.profile_experts import expert_errors, is_router
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +111,14 @@ def layer_errors(
 ) -> list[dict[str, Any]]:
     """Per checkpoint tensor: weight and output errors of every scheme on the inputs the bf16
     `engine` sees over `sequences` (one batched no-cache forward, right-padded; padding rows are
-    dropped)."""
+    dropped). MoE layers: one entry per expert tensor (`flashrl.tools.profile_experts`); routers
+    are never quantized and not listed."""
     layers = [
         (name, m)
         for name, m in engine.model.named_modules()
-        if isinstance(m, DenseLinear) and name.startswith("layers.")
+        if isinstance(m, DenseLinear) and name.startswith("layers.") and not is_router(name)
     ]
+    blocks = [(n, m) for n, m in engine.model.named_modules() if isinstance(m, MoEBlock)]
     batch = pad_right(sequences, engine.device)
     valid = batch.valid.flatten()
     rows: list[dict[str, Any]] = []
@@ -126,7 +130,15 @@ def layer_errors(
 
         return fn
 
+    def moe_hook(name: str):
+        def fn(module: MoEBlock, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+            x = inputs[0].reshape(-1, inputs[0].shape[-1])[valid]
+            rows.extend(expert_errors(name, module, x, schemes, _shard_errors))
+
+        return fn
+
     handles = [m.register_forward_hook(hook(name)) for name, m in layers]
+    handles += [m.register_forward_hook(moe_hook(name)) for name, m in blocks]
     try:
         width = batch.ids.shape[1]
         positions = torch.arange(width, device=engine.device).expand(len(sequences), width)
