@@ -394,7 +394,7 @@ def test_engine_kwargs_rejects_what_vllm_cannot_do_and_accepts_fp8_kv():
 
 
 def test_skip_patterns_on_fused_layers():
-    from flashrl.vllm_backend.quant_methods import FlashRLInt8Config
+    from flashrl.vllm_backend.quant_config import FlashRLInt8Config
 
     config = FlashRLInt8Config.from_config(
         {"quant_method": "flashrl_int8", "skip": ["*.down_proj", "*.q_proj"]}

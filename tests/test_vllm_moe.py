@@ -226,7 +226,7 @@ def int8_llm(checkpoints):
 
 def test_skip_list_keeps_experts_in_high_precision(int8_llm):
     from flashrl.vllm_backend.moe_methods import FlashRLFusedMoEMethod
-    from flashrl.vllm_backend.quant_methods import FlashRLInt8Config
+    from flashrl.vllm_backend.quant_config import FlashRLInt8Config
 
     layer = next(iter(moe_layers(int8_llm).values()))
     prefix = layer.layer_name  # what vLLM passes to get_quant_method: model.layers.0.mlp.experts

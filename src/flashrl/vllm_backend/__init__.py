@@ -13,7 +13,10 @@
 | module          | what                                                                                 |
 |-----------------|--------------------------------------------------------------------------------------|
 | `plugin`        | ``vllm.general_plugins`` entry point: registers the methods, the transfer backend, the FLASHRL_CONFIG hook |
-| `quant_methods` | ``flashrl_int8`` / ``flashrl_fp8`` / ``flashrl_fp8_channel`` / ``flashrl_fp8_block`` configs and linear method |
+| `quant_config`  | ``flashrl_int8`` / ``flashrl_fp8`` / ``flashrl_fp8_channel`` / ``flashrl_fp8_block`` configs: a method per layer |
+| `quant_methods` | the quantized linear method (re-quantized in place on every load), `dense_methods` the high-precision ones |
+| `moe_methods`   | quantized routed experts (`moe_loading`: their direct-load weight loaders)            |
+| `direct_load`, `kernels` | a trainer's `model.load_weights` into quantized layers; vLLM's scaled-mm kernels |
 | `transfer`      | the ``flashrl`` weight-transfer backend and the ``flashrl_*`` worker methods        |
 | `config`        | `engine_kwargs` (``LLM(...)`` arguments for a scheme) and the FLASHRL_CONFIG handling |
 | `weight_sync`   | `WeightSync`: trainer parameters -> running ``LLM``, grouped by layer, with timings  |

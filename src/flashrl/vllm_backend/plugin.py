@@ -44,7 +44,7 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.model_executor.layers.quantization import register_quantization_config
 
-    from flashrl.vllm_backend.quant_methods import CONFIG_CLASSES
+    from flashrl.vllm_backend.quant_config import CONFIG_CLASSES
 
     for config_cls in CONFIG_CLASSES:
         register_quantization_config(config_cls.method_name())(config_cls)

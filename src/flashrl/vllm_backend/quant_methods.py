@@ -28,15 +28,10 @@ from __future__ import annotations
 import logging
 import time
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
-from vllm.model_executor.layers.quantization.base_config import (
-    QuantizationConfig,
-    QuantizeMethodBase,
-)
-from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import replace_parameter, set_weight_attrs
@@ -44,18 +39,16 @@ from vllm.platforms import current_platform
 
 from flashrl.errors import WeightError
 from flashrl.quant.gemm import check_gemm_shape, scaled_linear
-from flashrl.quant.linear import DEFAULT_SKIP, QuantLinear, matches_any
+from flashrl.quant.linear import QuantLinear
 from flashrl.quant.schemes import get_scheme
 from flashrl.vllm_backend import direct_load, kernels
-from flashrl.vllm_backend.dense_methods import FlashRLDenseLinearMethod, FlashRLEmbeddingMethod
 from flashrl.vllm_backend.direct_load import (
     PROCESSED_FLAG,
     clear_staging,
     make_bias_loader,
     make_weight_loader,
 )
-from flashrl.vllm_backend.moe_methods import FlashRLFusedMoEMethod, is_router, pop_expert_stats
-from flashrl.vllm_backend.names import METHOD_NAMES
+from flashrl.vllm_backend.moe_methods import pop_expert_stats
 
 logger = logging.getLogger(__name__)
 
@@ -291,130 +284,3 @@ class FlashRLLinearMethod(LinearMethodBase):
             layer.logical_widths,
             getattr(layer, "flashrl_kernel_id", -1),
         )
-
-
-# ------------------------------------------------------------------------------------------------
-# configs (module level: vLLM pickles the config instance to its engine processes)
-# ------------------------------------------------------------------------------------------------
-
-
-class FlashRLQuantConfig(QuantizationConfig):
-    """Online quantization of every `LinearBase` layer with one flashrl scheme.
-
-    ``skip`` holds module-name patterns kept in high precision (globs or ``re:`` regexes, as for
-    `flashrl.quant.quantize_`), matched against the checkpoint names of the tensors a vLLM layer
-    fuses (``...q_proj``, ``...k_proj``, ``...v_proj`` for ``...qkv_proj``). A fused layer is
-    skipped when all of its parts match; a pattern that matches only some parts is an error.
-    """
-
-    scheme_name: ClassVar[str] = ""
-    min_capability: ClassVar[int] = 89
-
-    def __init__(self, skip: tuple[str, ...] | list[str] = DEFAULT_SKIP) -> None:
-        super().__init__()
-        if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
-            raise ValueError(f"skip must be a list of module-name patterns, got {skip!r}")
-        self.skip = tuple(skip)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(skip={list(self.skip)})"
-
-    @classmethod
-    def method_name(cls) -> str:
-        return METHOD_NAMES[cls.scheme_name]
-
-    def get_name(self) -> str:
-        return self.method_name()
-
-    def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16, torch.float32]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return cls.min_capability
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> FlashRLQuantConfig:
-        """From a ``quantization_config`` mapping such as ``{"quant_method": "flashrl_int8", "skip": [...]}``."""
-        method = config.get("quant_method", cls.method_name())
-        if method != cls.method_name():
-            raise ValueError(
-                f"{cls.__name__} got quant_method={method!r}; expected {cls.method_name()!r}"
-            )
-        unknown = sorted(set(config) - {"quant_method", "skip"})
-        if unknown:
-            raise ValueError(
-                f"unknown key(s) {', '.join(unknown)} in the {method} quantization_config; allowed: skip"
-            )
-        return cls(skip=config.get("skip", DEFAULT_SKIP))
-
-    def is_skipped(self, prefix: str) -> bool:
-        """Whether the layer named `prefix` stays in high precision (see the class docstring)."""
-        if matches_any(prefix, self.skip):
-            return True
-        parent, _, leaf = prefix.rpartition(".")
-        parts = self.packed_modules_mapping.get(leaf)
-        if not parts:
-            return False
-        names = [f"{parent}.{part}" if parent else part for part in parts]
-        matched = [matches_any(name, self.skip) for name in names]
-        if all(matched):
-            return True
-        if any(matched):
-            raise ValueError(
-                f"skip patterns {list(self.skip)} match only "
-                f"{[n for n, m in zip(names, matched) if m]} of the tensors vLLM fuses into {prefix} "
-                f"({', '.join(parts)}); they run as one GEMM, so skip all of them or none"
-            )
-        return False
-
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        if isinstance(layer, LinearBase):
-            if self.is_skipped(prefix) or is_router(layer, prefix):
-                return FlashRLDenseLinearMethod()
-            return FlashRLLinearMethod(self.scheme_name)
-        if isinstance(layer, VocabParallelEmbedding):
-            return FlashRLEmbeddingMethod()
-        from vllm.model_executor.layers.fused_moe import RoutedExperts
-
-        if isinstance(layer, RoutedExperts) and not matches_any(prefix, self.skip):
-            return FlashRLFusedMoEMethod(layer.moe_config, self.scheme_name)
-        # Attention (no KV-cache scales) and skipped experts: vLLM's unquantized path.
-        return None
-
-
-class FlashRLInt8Config(FlashRLQuantConfig):
-    """``flashrl_int8``: W8A8 int8, per-channel weights, per-token dynamic activations."""
-
-    scheme_name = "int8"
-    min_capability = 75
-
-
-class FlashRLFp8Config(FlashRLQuantConfig):
-    """``flashrl_fp8``: e4m3, one weight scale per checkpoint tensor, per-tensor dynamic activations."""
-
-    scheme_name = "fp8"
-
-
-class FlashRLFp8ChannelConfig(FlashRLQuantConfig):
-    """``flashrl_fp8_channel``: e4m3, per-channel weights, per-token dynamic activations."""
-
-    scheme_name = "fp8_channel"
-
-
-class FlashRLFp8BlockConfig(FlashRLQuantConfig):
-    """``flashrl_fp8_block``: e4m3, 128x128 weight blocks, 1x128 activation groups (reference GEMM)."""
-
-    scheme_name = "fp8_block"
-
-
-CONFIG_CLASSES: tuple[type[FlashRLQuantConfig], ...] = (
-    FlashRLInt8Config,
-    FlashRLFp8Config,
-    FlashRLFp8ChannelConfig,
-    FlashRLFp8BlockConfig,
-)
