@@ -297,7 +297,7 @@ class Engine:
         self, requests: list[Request], logits: torch.Tensor, params: SamplingParams
     ) -> None:
         """Sample and append one token per request, then show the step to the sample observers."""
-        record = sample_into(requests, logits, params)
+        record = sample_into(requests, logits, params, record=bool(self._observers))
         self._stats.add(generated_tokens=len(requests))
         for fn in list(self._observers):
             fn(record)

@@ -141,15 +141,19 @@ def _finish(request: Request, stop_ids: set[int]) -> bool:
 
 
 def sample_into(
-    requests: list[Request], logits: torch.Tensor, params: SamplingParams
-) -> SampledTokens:
+    requests: list[Request], logits: torch.Tensor, params: SamplingParams, record: bool = False
+) -> SampledTokens | None:
     """Sample one token for each request from its row of `logits` (the requests' own random
-    streams) and append it to the request's response. Returns the step as a `SampledTokens`."""
+    streams) and append it to the request's response. With `record` (someone observes the
+    sampling), returns the step as a `SampledTokens`; else None, so the decode loop builds nothing
+    it does not need."""
     steps = [len(r.response) for r in requests]
     out = requests[0].tables.sample(logits, params, [r.index for r in requests], steps)
     tokens = out.tokens.tolist()
     for r, token in zip(requests, tokens):
         r.response.append(token)
+    if not record:
+        return None
     return SampledTokens(
         prompt_index=tuple(r.prompt_index for r in requests),
         sample_index=tuple(r.sample_index for r in requests),

@@ -52,26 +52,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "run.trainer_dtype": "fp32",
         "run.output_dir": "runs/tiny-cpu",
     },
-    "tiny-moe-cpu": {
-        "model": "builtin:tiny-moe",
-        "data.task_max_operand": TINY_TASK["task_max_operand"],
-        "data.task_ops": TINY_TASK["task_ops"],
-        "data.reward": "exact_match",
-        "rollout.quant": "int8",
-        "correction.cap": 2.0,
-        "algo.max_prompt_tokens": 16,
-        "algo.max_response_tokens": 6,
-        "algo.batch_size": 128,
-        "algo.group_size": 8,
-        "algo.lr": 3e-4,
-        "algo.temperature": 1.0,
-        "run.steps": 200,
-        "run.micro_batch_size": 128,
-        "run.rollout_dtype": "bf16",
-        "run.device": "cpu",
-        "run.trainer_dtype": "fp32",
-        "run.output_dir": "runs/tiny-moe-cpu",
-    },
     "gsm8k-qwen2.5-0.5b": {
         "data.reward": "math_verify",
         "data.prompt_field": "question",
@@ -95,6 +75,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "run.trainer_dtype": "bf16",
         "run.output_dir": "runs/gsm8k-qwen2.5-0.5b",
     },
+}
+PRESETS["tiny-moe-cpu"] = {  # the tiny-cpu recipe on the built-in tiny Qwen3-MoE model
+    **PRESETS["tiny-cpu"],
+    "model": "builtin:tiny-moe",
+    "run.output_dir": "runs/tiny-moe-cpu",
 }
 """Named presets: dotted `TrainConfig` fields (see `flashrl.rl.config`)."""
 
