@@ -18,6 +18,7 @@ import torch
 from flashrl.core.sampling import SamplingParams, is_integer
 from flashrl.errors import CheckpointError, ConfigError, InputError, WeightError
 from flashrl.model.config import TOKEN_IDS_ALLOWED, ModelConfig, read_json, token_ids
+from flashrl.model.remote_code import NO_REMOTE_CODE, check_no_custom_code
 
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 """One text prompt, a list of them, or a list of token-id lists (lists, tensors or arrays)."""
@@ -133,8 +134,9 @@ def load_tokenizer(model_dir: Path) -> Any:
         return None
     from transformers import AutoTokenizer  # heavy: only when there is a tokenizer
 
+    check_no_custom_code(model_dir)  # never import code from the folder
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(model_dir, **NO_REMOTE_CODE)
     except Exception as err:  # name the damaged file when a JSON file is the cause
         for name in _TOKENIZER_JSON:
             path = model_dir / name

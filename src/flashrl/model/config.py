@@ -27,6 +27,7 @@ import torch
 
 from flashrl.errors import ConfigError, UnsupportedError
 from flashrl.model.moe_config import MoEConfig, parse_moe
+from flashrl.model.remote_code import check_no_custom_code
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -145,6 +146,7 @@ class ModelConfig:
             raise FileNotFoundError(
                 f"{path} has no config.json (expected a Hugging Face checkpoint directory)"
             )
+        check_no_custom_code(path)  # before any file of the folder is interpreted
         return cls.from_dict(read_json(config_file), source=str(config_file))
 
 

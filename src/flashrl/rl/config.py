@@ -29,6 +29,7 @@ from flashrl.core.config import RolloutConfig
 from flashrl.correction import AGGREGATIONS, CorrectionConfig
 from flashrl.errors import ConfigError
 from flashrl.fileio import atomic_write_text
+from flashrl.model.remote_code import check_trust_remote_code
 from flashrl.rl.algo import ADVANTAGES
 from flashrl.rl.compare import compare_variants
 from flashrl.rl.legacy import LEGACY_NAMES
@@ -186,6 +187,7 @@ class RunConfig:
             ) from None
         if not isinstance(value, dict):
             raise ConfigError(f"run.vllm_kwargs={self.vllm_kwargs!r} must be a JSON object")
+        check_trust_remote_code(value, "run.vllm_kwargs")
         return value
 
 

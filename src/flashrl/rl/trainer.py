@@ -45,6 +45,7 @@ from flashrl.core.rollout import Rollout, RolloutBackend
 from flashrl.core.sampling import SamplingParams
 from flashrl.correction import compute_correction
 from flashrl.errors import CheckpointError
+from flashrl.model.remote_code import NO_REMOTE_CODE, check_no_custom_code
 from flashrl.rl import algo
 from flashrl.rl import checkpoint as ckpt
 from flashrl.rl.batch import Batch, response_logprobs
@@ -82,7 +83,10 @@ class Trainer:
             )
         resume_dir, state, damaged, discard = plan_run(config, self.output_dir)
         source_dir = resume_dir or self.model_dir
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
+        check_no_custom_code(self.model_dir, source_dir)  # never run code from a model folder
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(
+            self.model_dir, **NO_REMOTE_CODE
+        )
         self._load_models(source_dir, from_checkpoint=resume_dir is not None)
         self.source = self._prompt_source()
         self.reward_fn = get_reward(config.data.reward)
@@ -122,13 +126,18 @@ class Trainer:
         dtype = resolve_dtype(self.config.run.trainer_dtype)
         # a checkpoint's weights load from safetensors only (never a pickled pytorch_model.bin)
         self.policy = transformers.AutoModelForCausalLM.from_pretrained(
-            source_dir, dtype=dtype, use_safetensors=True if from_checkpoint else None
+            source_dir,
+            dtype=dtype,
+            use_safetensors=True if from_checkpoint else None,
+            **NO_REMOTE_CODE,
         ).to(self.device)
         self.policy.config.use_cache = False
         self.reference = None
         if c.kl_coef > 0:
             self.reference = (
-                transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+                transformers.AutoModelForCausalLM.from_pretrained(
+                    self.model_dir, dtype=dtype, **NO_REMOTE_CODE
+                )
                 .to(self.device)
                 .eval()
             )

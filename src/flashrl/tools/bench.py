@@ -44,6 +44,7 @@ from flashrl.engine.decode import COMPILE_MODES
 from flashrl.engine.kv_cache import KVCache
 from flashrl.errors import ConfigError
 from flashrl.model.config import ModelConfig
+from flashrl.model.remote_code import NO_REMOTE_CODE, check_no_custom_code
 from flashrl.quant.schemes import parse_scheme_list
 from flashrl.tools.bench_configs import random_model_dir
 from flashrl.tools.bench_report import COLUMNS, BenchRow, format_rows  # noqa: F401
@@ -302,13 +303,16 @@ def _bench_hf(
     values, and at 7B dims this skips a CPU init and a 15 GB save and load)."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype)
+    check_no_custom_code(model_dir)
     if random:
-        config = transformers.AutoConfig.from_pretrained(model_dir)
+        config = transformers.AutoConfig.from_pretrained(model_dir, **NO_REMOTE_CODE)
         torch.manual_seed(cfg.seed)
         with torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, **NO_REMOTE_CODE
+        )
         model = model.to(device).eval()
     ids = torch.tensor(prompts, device=device)
     kwargs = dict(

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from flashrl.errors import ConfigError, InputError
+from flashrl.model.remote_code import check_auto_map
 from flashrl.tools.moe_configs import MOE_RANDOM_CONFIGS
 
 # Real model dimensions (from the public config.json files) for `--random-weights NAME`.
@@ -124,6 +125,7 @@ def random_model_dir(name_or_path: str, root: Path) -> Path:
                 f"--random-weights {name_or_path}: expected a Hugging Face "
                 f"config.json (an object with an integer vocab_size)"
             )
+        check_auto_map(raw, path, f"--random-weights {name_or_path}")
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(raw))
     return root

@@ -56,6 +56,7 @@ def check_vllm(ctx: VerifyContext, scheme: str) -> str | tuple[str, str]:
             max_model_len=64,
             seed=0,
             max_num_seqs=8,
+            trust_remote_code=False,
             **engine_kwargs(scheme),
         )
         fresh = vllm.LLM(str(ctx.checkpoint("b")), **kwargs)

@@ -25,6 +25,7 @@ import torch
 from flashrl.core.config import RolloutConfig
 from flashrl.core.rollout import FINISH_REASONS, Rollout
 from flashrl.core.sampling import SamplingParams
+from flashrl.model.remote_code import NO_REMOTE_CODE, check_no_custom_code, check_trust_remote_code
 from flashrl.vllm_backend.config import engine_kwargs, rollout_config
 
 
@@ -52,12 +53,15 @@ class VLLMBackend:
 
         from flashrl.vllm_backend.weight_sync import WeightSync
 
+        check_trust_remote_code(llm_kwargs, "VLLMBackend(**llm_kwargs)")
+        check_no_custom_code(model_dir)  # vLLM loads the folder with transformers too
         self.config = rollout_config(config)
         kwargs = {
             **engine_kwargs(self.config),
             "dtype": _dtype_name(dtype),
             "seed": seed,
             **llm_kwargs,
+            **NO_REMOTE_CODE,
         }
         self.llm = LLM(str(model_dir), **kwargs)
         self.sync = WeightSync(self.llm)

@@ -63,7 +63,9 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The fp32 ``named_parameters()`` of the `transformers` checkpoint at `path` (what a trainer sends)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, trust_remote_code=False
+    )
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -74,7 +76,9 @@ def save_perturbed_copy(
     ``scale * std(parameter)`` added to every parameter: a stand-in for a trained policy."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        src, dtype=torch.float32, trust_remote_code=False
+    )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -83,7 +87,7 @@ def save_perturbed_copy(
                 * (scale * float(p.std()) if p.numel() > 1 else scale)
             )
     model.save_pretrained(dst)
-    transformers.AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    transformers.AutoTokenizer.from_pretrained(src, trust_remote_code=False).save_pretrained(dst)
     return Path(dst)
 
 
