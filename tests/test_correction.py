@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -94,16 +95,19 @@ def ref_correction(
                     opt_keep[option][i][t] = ok(s)
             for t in valid:
                 kept[i][t] = kept[i][t] and opt_keep[option][i][t]
-    w = [[w0[i][t] if kept[i][t] else 0.0 for t in range(T)] for i in range(B)]
+    # verl's order: batch normalization over every valid token (every sequence with one), then
+    # rejection zeroes the normalized weights of rejected tokens
     factor = 1.0
     if cfg.batch_normalize:
-        if cfg.weight.startswith("seq"):  # one value per sequence with a kept token
-            vals = [next(w[i][t] for t in range(T) if kept[i][t]) for i in range(B) if any(kept[i])]
+        if cfg.weight.startswith("seq"):  # one value per sequence with a valid token
+            vals = [
+                next(w0[i][t] for t in range(T) if mask[i][t]) for i in range(B) if any(mask[i])
+            ]
         else:
-            vals = [w[i][t] for i in range(B) for t in range(T) if kept[i][t]]
+            vals = [w0[i][t] for i in range(B) for t in range(T) if mask[i][t]]
         if _mean(vals) > 1e-8:
             factor = _mean(vals)
-            w = [[x / factor for x in row] for row in w]
+    w = [[w0[i][t] / factor if kept[i][t] else 0.0 for t in range(T)] for i in range(B)]
     return w, kept, w0, raw, opt_keep, opt_stats, factor
 
 
@@ -122,7 +126,8 @@ def ref_mismatch(train, roll, mask, cap: float) -> dict[str, float]:
     cov = _mean([(x - mu_a) * (y - mu_b) for x, y in zip(p_tr, p_ro, strict=True)])
     den = _pstd(p_tr) * _pstd(p_ro)
     out = {**verl.offpolicy(train, roll, mask), **verl.probs_diff(train, roll, mask)}
-    out["rollout_actor_probs_pearson_corr"] = cov / den if den > 0 else float(p_tr == p_ro)
+    constant = len(set(p_tr)) == 1 or len(set(p_ro)) == 1  # verl's torch.corrcoef: NaN
+    out["rollout_actor_probs_pearson_corr"] = math.nan if constant else cov / den if toks else 0.0
     out["token_mult_prob_error"] = math.exp(_mean([abs(a - b) for a, b in toks]))
     _, token_is = verl.is_weights(train, roll, mask, "token", cap)
     for key in ("rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low"):
@@ -249,6 +254,9 @@ REFERENCE_CONFIGS = [
 
 
 def _close(actual: float, expected: float, key: str, rel: float = 1e-4, abs_: float = 2e-5) -> None:
+    if math.isnan(expected):
+        assert math.isnan(actual), f"{key}: got {actual!r}, expected NaN"
+        return
     assert math.isclose(actual, expected, rel_tol=rel, abs_tol=abs_), (
         f"{key}: got {actual!r}, expected {expected!r}"
     )
@@ -381,17 +389,40 @@ def test_bypass_applies_no_is_weight_but_keeps_rejection(gen: torch.Generator) -
 
 
 def test_batch_normalize_gives_unit_mean(gen: torch.Generator) -> None:
+    """Mean 1 over every valid token (every sequence with one), before rejection (verl's order):
+    rejection then only zeroes weights, so the kept tokens keep the weights and factor they have
+    without rejection."""
     train, roll, mask = random_batch(gen)
-    corr = compute_correction(
+    plain = compute_correction(train, roll, mask, make_config(batch_normalize=True))
+    _close(plain.weights[mask].mean().item(), 1.0, "token mean", rel=1e-6)
+    assert plain.metrics["rollout_is_batch_norm_factor"] != 1.0
+    rejected = compute_correction(
         train, roll, mask, make_config(batch_normalize=True, rejection=("token_k1",))
     )
-    _close(corr.weights[corr.mask].mean().item(), 1.0, "token mean", rel=1e-6)
-    assert corr.metrics["rollout_is_batch_norm_factor"] != 1.0
+    assert 0 < rejected.metrics["rollout_rs_masked_fraction"] < 1
+    factor = "rollout_is_batch_norm_factor"
+    assert rejected.metrics[factor] == plain.metrics[factor]
+    assert torch.equal(rejected.weights, torch.where(rejected.mask, plain.weights, 0.0))
     seq = compute_correction(
         train, roll, mask, make_config(weight="seq_tis", cap=5.0, batch_normalize=True)
     )
     per_seq = [row[m].max().item() for row, m in zip(seq.weights, seq.mask, strict=True) if m.any()]
     _close(sum(per_seq) / len(per_seq), 1.0, "sequence mean", rel=1e-6)
+
+
+def test_token_weights_reach_e_minus_20(gen: torch.Generator) -> None:
+    """A ratio at (or beyond) the clamp e^-20 gets weight e^-20 ~ 2.06e-9, not 0 (rho - 1 + 1
+    rounds to 0 in fp32 there); the docstring's [e^-20, e^20]."""
+    roll = torch.full((1, 4), -1.0)
+    train = roll + torch.tensor([[-20.0, -25.0, -17.0, 20.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    for weight in ("token_tis", "token_mis"):
+        cfg = CorrectionConfig(
+            weight=weight, cap=1e9, band=(0.0, 1e9) if weight == "token_mis" else None
+        )
+        w = compute_correction(train, roll, mask, cfg).weights[0].double()
+        expected = torch.tensor([-20.0, -20.0, -17.0, 20.0], dtype=torch.float64).exp()
+        torch.testing.assert_close(w, expected, rtol=1e-6, atol=0)
 
 
 def test_mis_keeps_tokens_in_mask_while_rejection_removes_them(gen: torch.Generator) -> None:
@@ -542,16 +573,38 @@ def test_metrics_zero_mismatch_hand_computed() -> None:
         "rollout_is_seq_mean",
     ):
         assert m[key] == 1.0, key
-    assert (
-        m["rollout_actor_probs_pearson_corr"] == 1.0
-    )  # constant and equal: no correlation coefficient, no mismatch
+    # constant (and equal): a correlation with a constant is undefined, NaN as in verl and numpy
+    assert math.isnan(m["rollout_actor_probs_pearson_corr"])
     _close(m["training_ppl"], math.e, "training_ppl", rel=1e-6)
     _close(m["rollout_log_ppl"], 1.0, "rollout_log_ppl", rel=1e-6)
-    # constant trainer probabilities against varying rollout ones are uncorrelated, not perfectly correlated
+    # constant trainer probabilities against varying rollout ones: NaN as well
     other = mismatch_metrics(
         lp.nan_to_num(0.0), torch.tensor([[-1.0, -2.0, -3.0], [-1.0, 0.0, 0.0]]), mask
     )
-    assert other["rollout_actor_probs_pearson_corr"] == 0.0
+    assert math.isnan(other["rollout_actor_probs_pearson_corr"])
+
+
+@pytest.mark.parametrize("value", [0.3, 0.7, 1 / 3, 0.1, 0.9])
+def test_pearson_of_two_unequal_constants_is_nan(value: float) -> None:
+    """Two unequal constant probability vectors (fp32 centring leaves a rounding residue that
+    gave 1.0), a constant against a varying one, and a single token: NaN, as verl's
+    ``torch.corrcoef`` and ``numpy.corrcoef`` give; two varying vectors still match numpy."""
+    mask = torch.ones(3, 37, dtype=torch.bool)
+    train = torch.full((3, 37), math.log(value))
+    roll = torch.full((3, 37), math.log(value / 2))
+    varying = roll + torch.linspace(-0.5, 0.0, 37)
+    for a, b, m in ((train, roll, mask), (train, varying, mask)):
+        assert math.isnan(mismatch_metrics(a, b, m)["rollout_actor_probs_pearson_corr"])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            assert np.isnan(
+                np.corrcoef(a.exp().flatten().double(), b.exp().flatten().double())[0, 1]
+            )
+    single = mismatch_metrics(train[:1, :1], roll[:1, :1], mask[:1, :1])
+    assert math.isnan(single["rollout_actor_probs_pearson_corr"])
+    varying_train = train + torch.linspace(-1.0, 0.0, 37) ** 2
+    got = mismatch_metrics(varying_train, varying, mask)["rollout_actor_probs_pearson_corr"]
+    expected = np.corrcoef(varying_train.exp().flatten().double(), varying.exp().flatten().double())
+    _close(got, expected[0, 1], "pearson", rel=1e-6)
 
 
 def test_sequence_level_clamps_the_sum_not_the_terms() -> None:
@@ -646,6 +699,10 @@ def test_weight_properties(batch, cfg: CorrectionConfig, extra: int) -> None:
     assert not (corr.mask & ~mask).any()
     # detached: no graph hangs off the weights even when the inputs require grad
     assert not w.requires_grad and w.grad_fn is None and not corr.weights.requires_grad
+    # Pearson: NaN (undefined) where either probability vector is constant, one token say
+    p_train, p_roll = (set(x.detach()[mask].exp().tolist()) for x in (train, roll))
+    pearson = corr.metrics.pop("rollout_actor_probs_pearson_corr")
+    assert math.isnan(pearson) == (bool(p_train) and min(len(p_train), len(p_roll)) == 1)
     assert all(math.isfinite(v) for v in corr.metrics.values())
     # bounds (batch normalization rescales on purpose, so only without it)
     if not cfg.batch_normalize:

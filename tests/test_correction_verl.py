@@ -327,3 +327,74 @@ def test_rho_option_equals_k1_with_the_inverted_band(level: str, gen: torch.Gene
     )
     a, b = compute_correction(train, roll, mask, rho), compute_correction(train, roll, mask, k1)
     assert torch.equal(a.mask, b.mask) and 0 < a.metrics["rollout_rs_masked_fraction"] < 1
+
+
+# -------------------------------------------------------------------------------------------------
+# Batch normalization with rejection: verl normalizes over every valid token, before rejection
+# (issue 24)
+
+BN_THRESHOLDS = {  # option -> (flashrl threshold, verl spec); each rejects part of random_batch
+    "token_k1": ((0.6, 1.6), "0.6_1.6"),
+    "token_k2": (0.1, 0.1),
+    "token_k3": (0.1, 0.1),
+    "seq_sum_k1": ((0.3, 4.0), "0.3_4.0"),
+    "seq_sum_k2": (1.0, 1.0),
+    "seq_sum_k3": (1.0, 1.0),
+    "seq_mean_k1": ((0.8, 1.3), "0.8_1.3"),
+    "seq_mean_k2": (0.15, 0.15),
+    "seq_mean_k3": (0.15, 0.15),
+    "seq_max_k2": (0.8, 0.8),
+    "seq_max_k3": (0.8, 0.8),
+    "token_rho": ((0.6, 1.6), "0.6_1.6"),
+    "seq_sum_rho": ((0.3, 4.0), "0.3_4.0"),
+    "seq_mean_rho": ((0.8, 1.3), "0.8_1.3"),
+}
+
+
+def test_bn_thresholds_cover_every_rejection_option() -> None:
+    from flashrl.correction.options import REJECTION_OPTIONS
+
+    assert set(BN_THRESHOLDS) == set(REJECTION_OPTIONS)
+
+
+@pytest.mark.parametrize("option", list(BN_THRESHOLDS))
+@pytest.mark.parametrize("weights", VERL_CONFIGS[:-1], ids=lambda c: f"{c[0].weight}-{c[2]}")
+def test_batch_normalization_before_rejection_matches_verl(
+    weights, option: str, gen: torch.Generator
+) -> None:
+    base, level, threshold = weights
+    flashrl_threshold, verl_threshold = BN_THRESHOLDS[option]
+    cfg = CorrectionConfig(
+        weight=base.weight,
+        cap=base.cap,
+        band=base.band,
+        rejection=(option,),
+        rejection_thresholds=(flashrl_threshold,),
+        batch_normalize=True,
+    )
+    train, roll, mask = random_batch(gen)
+    corr = compute_correction(train, roll, mask, cfg)
+    args = lists(train, roll, mask)
+    w, _ = verl.is_weights(*args, level, threshold)
+    normalized, factor = verl.batch_normalize(w, args[2], level)
+    keep, _ = verl.rejection(*args, [option], [verl_threshold])
+    assert corr.mask.tolist() == keep
+    assert 0 < corr.metrics["rollout_rs_masked_fraction"] < 1  # the batch rejects, not all
+    expected = torch.tensor(normalized, dtype=torch.float64) * torch.tensor(keep)
+    torch.testing.assert_close(corr.weights.double(), expected, rtol=1e-6, atol=0)
+    close(corr.metrics["rollout_is_batch_norm_factor"], factor, "factor", rel=1e-6, abs_=0)
+
+
+def test_batch_normalization_factor_is_over_valid_tokens_hand_computed() -> None:
+    """rho = (2, 0.5 | 4), token TIS with C = 5, token_k1 band (1/3, 3) rejects the 4: verl divides
+    by the mean over the three valid tokens, 6.5 / 3, not over the two kept ones (1.25)."""
+    train, roll, mask = batch([[math.log(2.0), math.log(0.5)], [math.log(4.0)]])
+    cfg = CorrectionConfig(
+        cap=5.0, rejection=("token_k1",), rejection_thresholds=(3.0,), batch_normalize=True
+    )
+    corr = compute_correction(train, roll, mask, cfg)
+    factor = 6.5 / 3
+    close(corr.metrics["rollout_is_batch_norm_factor"], factor, "factor", rel=1e-6)
+    expected = torch.tensor([[2.0 / factor, 0.5 / factor], [0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(corr.weights.double(), expected, rtol=1e-6, atol=0)
+    assert corr.mask.tolist() == [[True, True], [False, False]]

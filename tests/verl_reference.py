@@ -6,6 +6,8 @@ formula it implements; the code is written from the formulas (loops over lists),
 
 - ``offpolicy``: ``compute_offpolicy_metrics`` in ``verl/trainer/ppo/rollout_corr_helper.py``
 - ``is_weights``: ``compute_rollout_correction_weights`` and ``compute_is_metrics`` (same file)
+- ``batch_normalize``: the batch normalization of ``compute_rollout_correction_weights``, before
+  rejection (``compute_rollout_correction_and_rejection_mask``)
 - ``rejection``: ``compute_rollout_rejection_mask`` and ``compute_rs_metrics`` (same file)
 - ``probs_diff``: ``calculate_debug_metrics`` in ``verl/utils/debug/metrics.py``
 - ``agg_loss``: ``agg_loss`` in ``verl/trainer/ppo/core_algos.py`` (single process: dp_size 1,
@@ -132,6 +134,24 @@ def is_weights(
     return w, is_metrics(
         w, raw, mask, sums, level == "sequence", (lo_thr, upper), lower is not None
     )
+
+
+def batch_normalize(w: Rows, mask: list[list[bool]], level: str) -> tuple[Rows, float]:
+    """verl ``compute_rollout_correction_weights`` with ``rollout_is_batch_normalize=True`` (one
+    process), applied to the weights ``w`` before any rejection, as verl's
+    ``compute_rollout_correction_and_rejection_mask`` does (step 2, then the rejection mask of step
+    3 only shrinks the response mask): divide by the mean of ``w`` over every valid token
+    (``"token"``), or over the rows with a valid token of each row's masked-mean weight
+    (``"sequence"``). A mean <= 1e-8 leaves the weights alone and reports factor 1."""
+    rows = _valid(w, mask)
+    if level == "token":
+        vals = [x for r in rows for x in r]
+    else:
+        vals = [mean(r) for r in rows if r]
+    factor = mean(vals)
+    if not factor > 1e-8:
+        return w, 1.0
+    return [[x / factor for x in row] for row in w], factor
 
 
 def is_metrics(

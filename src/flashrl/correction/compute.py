@@ -88,11 +88,11 @@ def compute_correction(
     metrics.update(corr_metrics.weight_metrics(weights, raw, affected, r, config, band))
 
     kept, rs_metrics = corr_weights.rejection(r, config)
+    factor: torch.Tensor | float = 1.0
+    if config.batch_normalize:  # verl's order: over every valid token, before rejection
+        weights, factor = corr_weights.batch_normalize(weights, r.valid.mask, config)
     if config.rejection:
         weights = torch.where(kept, weights, 0.0)
-    factor: torch.Tensor | float = 1.0
-    if config.batch_normalize:
-        weights, factor = corr_weights.batch_normalize(weights, kept, config)
     metrics["rollout_is_batch_norm_factor"] = factor
     metrics.update(rs_metrics)
 

@@ -50,7 +50,8 @@ class CorrectionConfig:
             ``token_rho``). A k1 option takes ``(lo, hi)`` bounds on ``exp(k1) = 1/rho`` (verl's
             rule), a rho option the same bounds on rho itself; a bare ``x`` means ``(1/x, x)``
             (the same band either way). k2 and k3 options take an upper bound.
-        batch_normalize: divide the weights by their mean over kept tokens (decoupled mode only).
+        batch_normalize: divide the weights by their mean over every valid token, before rejection
+            (verl's order; ``seq_*``: over the sequences with a valid token). Decoupled mode only.
         log_ratio_clamp: log-ratios are clamped to +-this before ``exp``.
 
     Presets (classmethods, after verl's factory methods): ``disabled``, ``token_tis``, ``seq_tis``,

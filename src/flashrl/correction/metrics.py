@@ -37,7 +37,7 @@ def mismatch(lp_train: torch.Tensor, lp_roll: torch.Tensor, r: LogRatio) -> Metr
     prob_diff = (p_train - p_roll).abs_()
     diff_mean = v.mean(prob_diff)
     diff_max = prob_diff.amax() if prob_diff.numel() else prob_diff.new_zeros(())  # 0 on padding
-    pearson = _pearson(p_train, p_roll, v, equal=diff_max == 0)  # centers p_train, p_roll in place
+    pearson = _pearson(p_train, p_roll, v)
     return {
         "kl": -v.mean(delta),
         "k3_kl": r.k3_sum_unclamped() / v.n_tokens,
@@ -60,13 +60,22 @@ def mismatch(lp_train: torch.Tensor, lp_roll: torch.Tensor, r: LogRatio) -> Metr
     }
 
 
-def _pearson(a: torch.Tensor, b: torch.Tensor, v: Valid, equal: torch.Tensor) -> torch.Tensor:
-    """Pearson correlation over valid tokens of a and b (both 0 on padding; centered in place)."""
-    da = a.sub_(v.mean(a)).mul_(v.maskf).flatten()
-    db = b.sub_(v.mean(b)).mul_(v.maskf).flatten()
+def _pearson(a: torch.Tensor, b: torch.Tensor, v: Valid) -> torch.Tensor:
+    """Pearson correlation over valid tokens of a and b (both 0 on padding), in float64.
+
+    NaN when either is constant over the valid tokens (so also for a single token), as verl's
+    ``torch.corrcoef`` and numpy give: a correlation with a constant is undefined. Constancy is
+    checked on the values themselves; the centred values of a constant input can keep a rounding
+    residue, which would give +-1. No valid token at all gives 0.0, as every metric of an empty
+    set does."""
+    constant = (v.max(a) == v.min(a)) | (v.max(b) == v.min(b))
+    constant &= v.mask.any()
+    maskd = v.maskf.double()
+    da = (a.double() - v.mean(a.double())).mul_(maskd).flatten()
+    db = (b.double() - v.mean(b.double())).mul_(maskd).flatten()
     cov, denom = torch.dot(da, db), (torch.dot(da, da) * torch.dot(db, db)).sqrt()
-    # Constant inputs have no correlation coefficient (verl: NaN); report 1.0 when they also agree.
-    return torch.where(denom > 0, cov / denom.clamp_min(1e-30), equal.float())
+    pearson = (cov / denom.clamp_min(1e-300)).clamp(-1.0, 1.0).float()
+    return torch.where(constant, math.nan, pearson)
 
 
 def ratio_fractions(r: LogRatio, sequence: bool, band: tuple[float, float]) -> Metrics:

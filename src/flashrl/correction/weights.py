@@ -47,7 +47,7 @@ def is_weights(
         raw = v.maskf * r.seq_ell.exp().unsqueeze(-1)
         log_ratio = r.seq_ell.unsqueeze(-1)  # [B, 1], broadcast
     else:
-        raw = (r.rho_m1 + 1.0).mul_(v.maskf)
+        raw = r.ell.exp().mul_(v.maskf)  # not rho_m1 + 1: that is 0 in fp32 below ~e^-17
         log_ratio = r.ell
     if config.weight == "none":
         return v.maskf, raw, torch.zeros_like(v.mask)
@@ -134,18 +134,18 @@ def rejection(
 
 
 def batch_normalize(
-    weights: torch.Tensor, kept: torch.Tensor, config: CorrectionConfig
+    weights: torch.Tensor, valid: torch.Tensor, config: CorrectionConfig
 ) -> tuple[torch.Tensor, torch.Tensor | float]:
-    """Divide by the mean weight over kept tokens (``seq_*`` weights: over kept sequences, each
-    once)."""
+    """Divide by the mean weight over the `valid` tokens (``seq_*`` weights: over the sequences
+    with a valid token, each once). `compute_correction` passes every valid token, before
+    rejection, as verl's ``compute_rollout_correction_weights`` does: rejection then zeroes
+    weights that are already normalized."""
     if config.weight.startswith("seq"):
-        kept_seq = kept.any(-1)
+        valid_seq = valid.any(-1)
         per_seq = weights.amax(-1) if weights.shape[-1] else weights.new_zeros(weights.shape[:-1])
-        factor = torch.where(kept_seq, per_seq, 0.0).sum() / kept_seq.count_nonzero().clamp_min(1)
-    else:
-        factor = weights.sum() / kept.count_nonzero().clamp_min(
-            1
-        )  # weights are 0 off the kept tokens
+        factor = torch.where(valid_seq, per_seq, 0.0).sum() / valid_seq.count_nonzero().clamp_min(1)
+    else:  # weights are 0 on padding
+        factor = weights.sum() / valid.count_nonzero().clamp_min(1)
     if factor.item() <= 1e-8:  # nothing (or only zero weights) kept: leave the weights alone
         return weights, 1.0
     return weights / factor, factor
