@@ -9,6 +9,7 @@ without it, `require_ray` raises an `UnsupportedError` with the one-line install
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch
 
 from flashrl.core.rollout import Rollout, RolloutBackend
 from flashrl.core.sampling import SamplingParams
+from flashrl.distributed.cluster import check_resources, connect
 from flashrl.distributed.transport import (
     DEFAULT_BUCKET_BYTES,
     BucketBroadcast,
@@ -75,9 +77,14 @@ class WorkerPool:
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
             if config.address is None:
-                kwargs["num_cpus"] = max(int(config.workers * config.cpus), 1)
-            ray.init(address=config.address, **kwargs)
+                kwargs["num_cpus"] = max(math.ceil(config.workers * config.cpus), 1)
+            connect(ray, config.address, config.timeout_s, **kwargs)
             self.owns_ray = True
+        try:  # an actor the cluster cannot place would wait forever
+            check_resources(ray, config.workers, config.cpus, config.gpus, config.address)
+        except BaseException:
+            self.shutdown()
+            raise
         actor = ray.remote(RolloutWorker).options(
             num_cpus=config.cpus, num_gpus=config.gpus, max_restarts=0, max_concurrency=1
         )
