@@ -140,3 +140,24 @@ def test_end_to_end_error_vs_unquantized(name, tol, gen):
     assert y.shape == (2, 7, 192) and y.dtype == torch.bfloat16
     ref = x.double() @ w.double().t() + b.double()
     assert rel_err(y, ref) < tol
+
+
+@pytest.mark.parametrize("k", [8, 1024, 1025, 3000])
+def test_cpu_int8_mm_fp32_chunks_are_exact_at_the_extremes(k, gen):
+    """The CPU path (fp32 matmuls over 1024-column chunks) equals int64 math and torch._int_mm
+    bit for bit, also where one fp32 matmul over all of K could not be exact (|sum| > 2^24)."""
+    from flashrl.quant.gemm import int8_mm_exact_fp32
+
+    worst = torch.full((3, k), -128, dtype=torch.int8)
+    rand_a = torch.randint(-128, 128, (20, k), generator=gen, dtype=torch.int8)
+    rand_b = torch.randint(-128, 128, (24, k), generator=gen, dtype=torch.int8)
+    for a, b in ((worst, worst), (rand_a, rand_b), (rand_a, worst)):
+        exact = a.long() @ b.long().t()
+        got = int8_mm_exact_fp32(a, b)
+        assert got.dtype == torch.int32
+        assert torch.equal(got.long(), exact)
+        assert torch.equal(int8_mm(a, b), got)  # the CPU default path
+        if a.shape[0] > 16:
+            assert torch.equal(torch._int_mm(a, b.t()), got)
+    if k == 3000:  # the case chunking exists for: one fp32 matmul over K would round
+        assert (worst.long() @ worst.long().t()).max() > 2**24

@@ -42,6 +42,18 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def fsync_tree(directory: Path) -> None:
+    """fsync every file and directory under `directory` (before it is renamed into place)."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(root))
+
+
 def fsync_dir(directory: Path) -> None:
     """Make renames and new entries in `directory` durable (a no-op where directories cannot be
     opened, e.g. on Windows)."""

@@ -39,8 +39,13 @@ def shard_calls(
 class LocalRollouts:
     """Generation and weight sync in the trainer's process (today's path: no copy)."""
 
-    def __init__(self, backend: RolloutBackend, num_shards: int = 1) -> None:
+    def __init__(
+        self, backend: RolloutBackend, num_shards: int = 1, count_changed: bool = False
+    ) -> None:
         self.backend, self.num_shards = backend, num_shards
+        self.count_changed = count_changed
+        """Ask the backend (the built-in engine) what fraction of the stored rollout weights each
+        sync changed (``*_changed_frac`` keys of `sync`)."""
 
     def submit(self, encoded: list[list[int]], params: SamplingParams) -> Any:
         return shard_calls(encoded, params, self.num_shards)
@@ -50,11 +55,15 @@ class LocalRollouts:
         return merge(bounds, [self.backend.generate(p, s) for p, s in calls])
 
     def sync(self, named: Any) -> dict[str, float]:
-        out = self.backend.update_weights(named)
+        if self.count_changed:
+            out = self.backend.update_weights(named, count_changed=True)
+        else:
+            out = self.backend.update_weights(named)
         return {
             "sync": out.get("transfer_s", 0.0),
             "requant": out.get("requant_s", 0.0),
             "kv_calibration": out.get("kv_calibration_s", 0.0),
+            **{k: v for k, v in out.items() if k.endswith("_changed_frac")},
         }
 
     def close(self) -> None:

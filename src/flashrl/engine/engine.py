@@ -38,7 +38,7 @@ from flashrl.model.config import ModelConfig
 from flashrl.model.decoder import Decoder
 from flashrl.model.kv_calibration import KVScales
 from flashrl.model.kv_scales import KVScaleState
-from flashrl.model.weights import WeightMap
+from flashrl.model.weights import ChangeCounts, WeightMap
 from flashrl.quant.linear import model_nbytes
 from flashrl.utils import synchronize
 
@@ -158,7 +158,9 @@ class Engine:
         float dtype, not meta, no NaN or Inf; two reductions, no copy), so a bad update raises a
         `WeightError` naming the tensor and leaves the engine as it was. Returns seconds
         (``transfer_s`` to the device, ``requant_s``, ``kv_calibration_s``: 0.0 when there is
-        nothing to calibrate) and, with `count_changed`, the fraction of codes that changed.
+        nothing to calibrate) and, with `count_changed`, the fraction of the sent elements whose
+        stored value changed: ``codes_changed_frac`` (quantized codes), ``dense_changed_frac``
+        (values kept in high precision) and ``weights_changed_frac`` (both).
 
         With ``kv_scale="calibrated"`` every call recalibrates on the most recent generated
         sequences (before any generate, the next generate calibrates on its prompts): send a whole
@@ -168,7 +170,8 @@ class Engine:
         for name, tensor in items:
             self.weights.check(name, tensor)
         start = time.perf_counter()
-        transfer, requant, changed = self.weights.write(items, self.device, count_changed)
+        counts = ChangeCounts() if count_changed else None
+        transfer, requant, _ = self.weights.write(items, self.device, counts=counts)
         self.kv.weights_changed()
         kv_calibration = self.calibrate_kv() if self.kv.stale and len(self.kv.recent) else 0.0
         result = dict(
@@ -181,9 +184,9 @@ class Engine:
         self._stats.add(
             transfer_s=transfer, requant_s=requant, weight_updates=1, sync_s=result["total_s"]
         )
-        if count_changed:
-            codes = self.weights.quantized_codes()
-            result["codes_changed_frac"] = changed / codes if codes else 0.0
+        if counts is not None:
+            result.update(counts.fractions())
+            result.setdefault("codes_changed_frac", 0.0)
         return result
 
     # ------------------------------------------------------------------ fp8 KV scales

@@ -116,6 +116,32 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
         yield name, tensor
 
 
+class ChangeCounts:
+    """Stored rollout-weight elements that one update changed, quantized codes and high-precision
+    values (norms, embeddings, layers kept dense) apart: how far the rollout policy follows the
+    trainer (an update smaller than half a grid step leaves the stored value as it was)."""
+
+    def __init__(self) -> None:
+        self.changed = {True: 0, False: 0}
+        self.total = {True: 0, False: 0}
+
+    def add(self, quantized: bool, changed: int, total: int) -> None:
+        self.changed[quantized] += changed
+        self.total[quantized] += total
+
+    def fractions(self) -> dict[str, float]:
+        """``weights_changed_frac`` (all), ``codes_changed_frac``, ``dense_changed_frac``; a part
+        the model does not have is left out."""
+        out = {}
+        total = sum(self.total.values())
+        if total:
+            out["weights_changed_frac"] = sum(self.changed.values()) / total
+        for quantized, key in ((True, "codes_changed_frac"), (False, "dense_changed_frac")):
+            if self.total[quantized]:
+                out[key] = self.changed[quantized] / self.total[quantized]
+        return out
+
+
 class WeightMap:
     """HF name -> engine target for one `Decoder`; validates names and shapes, applies tensors."""
 
@@ -243,24 +269,37 @@ class WeightMap:
 
     @torch.no_grad()
     def apply(
-        self, name: str, tensor: torch.Tensor, count_changed: bool = False, checked: bool = False
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        count_changed: bool = False,
+        checked: bool = False,
+        counts: ChangeCounts | None = None,
     ) -> int:
         """Write one HF tensor into the decoder in place (validated first unless `checked`: the
         caller ran `check` on it); with `count_changed`, returns how many quantized codes changed
-        (0 for layers kept in high precision)."""
+        (0 for layers kept in high precision). `counts`, when given, also counts the stored
+        elements that changed, quantized and high-precision apart."""
         changed = 0
         for target in self.resolve(name) if checked else self.check(name, tensor):
             module = self._module(target)
+            quantized = isinstance(module, QuantLinear | QuantExperts)
+            count = (count_changed and quantized) or counts is not None
             if target.kind == "param":
+                old = module.weight.clone() if counts is not None else None
                 module.weight.copy_(tensor)
+                n = int((old != module.weight).sum()) if old is not None else 0
             elif target.kind in ("expert", "experts"):
-                count = count_changed and isinstance(module, QuantExperts)
-                changed += module.requantize_(tensor, target.expert, target.shard, count)
+                n = module.requantize_(tensor, target.expert, target.shard, count)
             elif target.kind == "weight":
-                count = count_changed and isinstance(module, QuantLinear)
-                changed += module.requantize_(tensor, shard=target.shard, count_changed=count)
+                n = module.requantize_(tensor, shard=target.shard, count_changed=count)
             else:
                 module.set_bias_(tensor.to(module.bias.dtype), shard=target.shard)
+                continue
+            if counts is not None:
+                counts.add(quantized, n, tensor.numel())
+            if quantized:
+                changed += n
         return changed
 
     @torch.no_grad()
@@ -269,10 +308,12 @@ class WeightMap:
         items: list[tuple[str, torch.Tensor]],
         device: torch.device,
         count_changed: bool = False,
+        counts: ChangeCounts | None = None,
     ) -> tuple[float, float, int]:
         """`apply` tensors that `check` accepted, each copied to `device` first; returns seconds
         copying, seconds writing (re-quantizing) and, with `count_changed`, the quantized codes
-        that changed. A device failure (e.g. out of memory) gets a note saying how far it got."""
+        that changed (`counts`: see `apply`). A device failure (e.g. out of memory) gets a note
+        saying how far it got."""
         transfer = requant = 0.0
         changed = 0
         for done, (name, tensor) in enumerate(items):
@@ -281,7 +322,9 @@ class WeightMap:
                 on_device = tensor.detach().to(device, non_blocking=True)
                 synchronize(device)
                 t1 = time.perf_counter()
-                changed += self.apply(name, on_device, count_changed=count_changed, checked=True)
+                changed += self.apply(
+                    name, on_device, count_changed=count_changed, checked=True, counts=counts
+                )
                 synchronize(device)
             except Exception as err:  # validated, so only the device can fail here
                 err.add_note(

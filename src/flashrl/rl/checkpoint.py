@@ -31,31 +31,19 @@ from typing import Any
 import torch
 
 from flashrl.errors import CheckpointError, ConfigError
-from flashrl.fileio import atomic_write_text, fsync_dir
+from flashrl.fileio import atomic_write_text, fsync_dir, fsync_tree
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
 METRICS_FILE = "metrics.jsonl"
-RUN_OUTPUTS = ("metrics.jsonl", "config.yaml", "curves.png")
+RUN_OUTPUTS = ("metrics.jsonl", "samples.jsonl", "config.yaml", "curves.png")
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 _DAMAGED = re.compile(r"checkpoint-(\d+)\.damaged")
 _PARTIAL = re.compile(r"\.checkpoint-(\d+)\.(tmp|old)")
 
 
 # ------------------------------------------------------------------ durable writes
-
-
-def fsync_tree(directory: Path) -> None:
-    """fsync every file and directory under `directory` (before it is renamed into place)."""
-    for root, _, files in os.walk(directory):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(root))
 
 
 def append_line(path: str | Path, line: str) -> None:

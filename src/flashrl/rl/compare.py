@@ -1,4 +1,9 @@
-"""`run.compare`: several rollout precisions run one after another (parsed here)."""
+"""`run.compare`: several rollout precisions run one after another (parsed here).
+
+A variant is a weight scheme (`bf16`, `int8`, `fp8`, ...; `bf16` also sets the rollout dtype to
+bf16), optionally with ``-notis`` (no importance weight), or `fp32` / `fp16`: unquantized rollouts
+in that dtype (`fp32` is the trainer's own precision in an fp32 run: the reference a quantized run
+is compared with)."""
 
 from __future__ import annotations
 
@@ -7,7 +12,10 @@ from typing import Any
 from flashrl.errors import ConfigError
 from flashrl.quant.schemes import get_scheme
 
-__all__ = ["compare_variants"]
+__all__ = ["UNQUANTIZED", "compare_variants"]
+
+UNQUANTIZED = ("fp32", "fp16")
+"""Variant names for unquantized rollouts in a dtype other than bf16."""
 
 
 def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
@@ -21,10 +29,21 @@ def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
             continue
         no_tis = item.lower().endswith("-notis")
         scheme = item[: -len("-notis")] if no_tis else item
-        try:
-            name = get_scheme(scheme).name
-        except ValueError as err:
-            raise ConfigError(f"run.compare={spec!r}: {err}") from None
+        overrides: dict[str, Any] = {}
+        if scheme.lower() in UNQUANTIZED:
+            name = scheme.lower()
+            overrides = {"rollout.quant": "bf16", "run.rollout_dtype": name}
+        else:
+            try:
+                name = get_scheme(scheme).name
+            except ValueError as err:
+                raise ConfigError(
+                    f"run.compare={spec!r}: {err} (or an unquantized dtype: "
+                    f"{', '.join(UNQUANTIZED)})"
+                ) from None
+            overrides = {"rollout.quant": name}
+            if name == "bf16":
+                overrides["run.rollout_dtype"] = "bf16"
         key = name + ("-notis" if no_tis else "")
         if key in seen:
             raise ConfigError(
@@ -33,7 +52,6 @@ def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
                 f"list it once"
             )
         seen[key] = item
-        overrides: dict[str, Any] = {"rollout.quant": name}
         if no_tis:
             overrides["correction.weight"] = "none"
         out.append((key, overrides))

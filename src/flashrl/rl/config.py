@@ -48,6 +48,9 @@ RESUME_FREE_FIELDS = (
     "run.resume_allow_changes",
     "run.overwrite",
     "run.plot",
+    "run.log_weight_changes",
+    "run.samples_per_step",
+    "run.print_samples_every",
     "run.compare",
     "run.device",
     "run.max_batch",
@@ -77,8 +80,11 @@ class DataConfig:
     reward: str = "exact_match"
     task_max_operand: int = 99
     """Largest operand of the built-in arithmetic task."""
+    task_min_operand: int = 0
     task_ops: str = "+"
     """Operators of the built-in arithmetic task."""
+    task_template: str = "{a}{op}{b}="
+    """How the built-in task words a problem, from {a}, {op} and {b}."""
 
 
 @dataclass
@@ -146,6 +152,14 @@ class RunConfig:
     """Let a fresh run delete the run already in output_dir (its metrics, checkpoints, plots), and a
     resume from an older checkpoint delete the newer ones."""
     plot: bool = True
+    samples_per_step: int = 4
+    """Rollouts written to samples.jsonl per step (one per prompt group; 0: none)."""
+    print_samples_every: int = 50
+    """Print a few of them every N steps (0: never)."""
+    log_weight_changes: bool = False
+    """Log the fraction of stored rollout weights (quantized codes and high-precision values) each
+    weight sync changed (`sync/*_changed_frac`; built-in engine in the trainer's process; one
+    clone and compare per tensor)."""
     compare: str | None = None
     """Comma-separated rollout precisions to run one after another with the same seed and data,
     e.g. 'bf16,int8,int8-notis,fp8' ('-notis' sets correction.weight none)."""
@@ -242,6 +256,10 @@ class TrainConfig:
             "algo.max_response_tokens": a.max_response_tokens,
             "run.max_batch": r.max_batch,
         }
+        for name in ("samples_per_step", "print_samples_every"):
+            value = getattr(r, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"run.{name}={value!r} must be an integer >= 0")
         for name, value in positive.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
@@ -294,6 +312,11 @@ class TrainConfig:
             raise ConfigError(
                 "run.bucket_mb, run.worker_threads and run.worker_tp must be >= 1 and "
                 "run.worker_timeout > 0"
+            )
+        if r.log_weight_changes and (r.rollout_workers or r.backend != "builtin"):
+            raise ConfigError(
+                "run.log_weight_changes needs the built-in engine in the trainer's process "
+                "(run.backend=builtin, run.rollout_workers=0)"
             )
         if r.async_rollouts and r.rollout_workers < 1:
             raise ConfigError("run.async_rollouts needs run.rollout_workers >= 1")

@@ -14,6 +14,8 @@ from typing import Protocol
 
 from flashrl.errors import ConfigError, InputError, UnsupportedError
 
+TASK_TEMPLATE = "{a}{op}{b}="
+
 
 @dataclass(frozen=True)
 class Example:
@@ -29,29 +31,43 @@ class PromptSource(Protocol):
 class ArithmeticTask:
     """`a+b=` style problems; the answer is the result as digits.
 
-    Operands are drawn uniformly from [0, max_operand]; `ops` is a string of operators among ``+-*``.
-    Subtraction keeps results non-negative.
+    Operands are drawn uniformly from [min_operand, max_operand]; `ops` is a string of operators
+    among ``+-*``. Subtraction keeps results non-negative. `template` words the problem from
+    ``{a}``, ``{op}`` and ``{b}`` (default ``{a}{op}{b}=``, the tiny model's form).
     """
 
     seed: int = 0
     max_operand: int = 99
     ops: str = "+"
+    min_operand: int = 0
+    template: str = TASK_TEMPLATE
 
     def __post_init__(self) -> None:
         if not self.ops or set(self.ops) - set("+-*"):
             raise ConfigError(
                 f"ops={self.ops!r} is invalid; use a non-empty combination of '+', '-', '*'"
             )
-        if self.max_operand < 1:
-            raise ConfigError(f"max_operand={self.max_operand} must be >= 1")
+        if self.max_operand < 1 or not 0 <= self.min_operand <= self.max_operand:
+            raise ConfigError(
+                f"operands [{self.min_operand}, {self.max_operand}]: need max_operand >= 1 and "
+                f"0 <= min_operand <= max_operand"
+            )
+        try:
+            self.template.format(a=1, op="+", b=2)
+        except (KeyError, IndexError, ValueError) as err:
+            raise ConfigError(
+                f"task template {self.template!r} is invalid ({type(err).__name__}: {err}); it "
+                "may use {a}, {op} and {b} (write {{ and }} for literal braces)"
+            ) from None
 
     def example(self, rng: random.Random) -> Example:
-        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+        lo, hi = self.min_operand, self.max_operand
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
         op = rng.choice(self.ops)
         if op == "-" and b > a:
             a, b = b, a
         result = a + b if op == "+" else a - b if op == "-" else a * b
-        return Example(prompt=f"{a}{op}{b}=", answer=str(result))
+        return Example(prompt=self.template.format(a=a, op=op, b=b), answer=str(result))
 
     def batch(self, step: int, size: int) -> list[Example]:
         rng = random.Random(f"{self.seed}:{step}")

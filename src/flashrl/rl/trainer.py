@@ -56,6 +56,7 @@ from flashrl.rl.metrics import rollout_metrics
 from flashrl.rl.plan import plan_run
 from flashrl.rl.rewards import get_reward
 from flashrl.rl.routing_replay import build_batch, replay_backend, replay_routing
+from flashrl.rl.samples import SAMPLES_FILE, collect, format_samples
 from flashrl.rl.update import ppo_update
 from flashrl.rl.workers import make_backend, make_rollouts
 from flashrl.utils import synchronize
@@ -113,8 +114,10 @@ class Trainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         config.save_yaml(self.output_dir / "config.yaml")
         self.metrics_path = self.output_dir / ckpt.METRICS_FILE
+        self.samples_path = self.output_dir / SAMPLES_FILE
         if resume_dir is not None:
             ckpt.truncate_metrics(self.metrics_path, self.step)
+            ckpt.truncate_metrics(self.samples_path, self.step)
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -147,19 +150,20 @@ class Trainer:
         )
 
     def _model_dir(self) -> Path:
-        if self.config.model is None or self.config.model.startswith("builtin:"):
-            from flashrl.rl.presets import builtin_model_dir
+        from flashrl.rl.presets import resolve_model
 
-            return builtin_model_dir(self.config.model)
-        path = Path(self.config.model)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
-        return path
+        return resolve_model(self.config.model)
 
     def _prompt_source(self) -> PromptSource:
         d, seed = self.config.data, self.config.run.seed
         if d.path is None:
-            return ArithmeticTask(seed=seed, max_operand=d.task_max_operand, ops=d.task_ops)
+            return ArithmeticTask(
+                seed=seed,
+                max_operand=d.task_max_operand,
+                ops=d.task_ops,
+                min_operand=d.task_min_operand,
+                template=d.task_template,
+            )
         return FileDataset(
             d.path, d.prompt_field, d.answer_field, seed=seed, prompt_template=d.prompt_template
         )
@@ -227,16 +231,21 @@ class Trainer:
         if self.config.run.async_rollouts:
             metrics["rollout/staleness"] = float(stale)
         metrics.update(rollout_metrics(rollouts, scores, rewards, penalty, keep))
+        trainer_means: dict[int, float] = {}
         if keep.any():
+            kept = [i for i, k in enumerate(keep.tolist()) if k]
             batch = build_batch(  # a ReplayBatch when the rollouts carry routing
-                [r for r, k in zip(rollouts, keep.tolist()) if k], advantages[keep], self.device
+                [rollouts[i] for i in kept], advantages[keep], self.device
             )
             metrics.update(self._update(batch, t))
+            trainer_means = dict(zip(kept, self._trainer_means.tolist()))
             mark = time.perf_counter()
             sync = self.rollouts.sync(self.policy.named_parameters())
             t["sync_total"] = time.perf_counter() - mark
             if "bytes" in sync:
                 metrics["sync/bytes_sent"] = sync.pop("bytes")
+            for key in [k for k in sync if k.endswith("_changed_frac")]:
+                metrics[f"sync/{key}"] = sync.pop(key)
             t.update(sync)
         else:
             metrics["skipped_update"] = 1.0
@@ -245,8 +254,37 @@ class Trainer:
         tokens = sum(len(r.response_ids) for r in rollouts)
         metrics["throughput/rollout_tokens_per_s"] = tokens / max(t["rollout"], 1e-9)
         metrics["memory/peak_gib"] = peak_memory_bytes(self.device) / 2**30
+        self._record_samples(examples, rollouts, scores, trainer_means)
         self.step += 1
         return metrics
+
+    def _record_samples(
+        self,
+        examples: list[Example],
+        rollouts: list[Rollout],
+        scores: torch.Tensor,
+        trainer_means: dict[int, float],
+    ) -> None:
+        """Append `run.samples_per_step` samples to samples.jsonl; print a few every
+        `run.print_samples_every` steps."""
+        r = self.config.run
+        if r.samples_per_step == 0:
+            return
+        prompts = [self.tokenizer.decode(ids) for ids in self._encode(examples)]
+        samples = collect(
+            self.step,
+            prompts,
+            [ex.answer for ex in examples],
+            rollouts,
+            scores.tolist(),
+            trainer_means,
+            self.config.algo.group_size,
+            r.samples_per_step,
+        )
+        for sample in samples:
+            ckpt.append_line(self.samples_path, sample.to_json())
+        if r.print_samples_every and self.step % r.print_samples_every == 0:
+            tqdm.write(format_samples(samples[:3]))
 
     def _update(self, batch: Batch, t: dict[str, float]) -> dict[str, float]:
         mark = time.perf_counter()
@@ -261,6 +299,8 @@ class Trainer:
         corr = compute_correction(old, batch.rollout_logprobs, batch.response_mask, self.correction)
         ratio_base = old if self.correction.mode == "decoupled" else batch.rollout_logprobs
         metrics = {f"rollout_corr/{k}": v for k, v in corr.metrics.items()}
+        mask = batch.response_mask.to(old.dtype)
+        self._trainer_means = (old * mask).sum(1).cpu() / mask.sum(1).clamp(min=1).cpu()
         metrics["actor/entropy"] = (entropy * batch.response_mask).sum().item() / max(
             batch.response_mask.sum().item(), 1
         )

@@ -63,7 +63,7 @@ def make_rollouts(
     r = config.run
     if r.rollout_workers == 0:
         backend = backend or make_backend(config, model_dir, device)
-        return backend, LocalRollouts(backend, num_shards(config))
+        return backend, LocalRollouts(backend, num_shards(config), r.log_weight_changes)
     if backend is not None:
         raise ConfigError(
             "Trainer(backend=...) runs in-process; leave run.rollout_workers at 0 to use it"
