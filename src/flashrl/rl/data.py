@@ -17,6 +17,28 @@ from flashrl.errors import ConfigError, InputError, UnsupportedError
 TASK_TEMPLATE = "{a}{op}{b}="
 
 
+@dataclass
+class DataConfig:
+    """Prompts, reference answers and how responses are scored."""
+
+    path: str | None = None
+    """A local .jsonl / .json / .parquet dataset; None uses the built-in arithmetic task."""
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    prompt_template: str = "{prompt}"
+    chat_template: bool = True
+    """Wrap prompts in the model's chat template when it has one."""
+    system_prompt: str | None = None
+    reward: str = "exact_match"
+    task_max_operand: int = 99
+    """Largest operand of the built-in arithmetic task."""
+    task_min_operand: int = 0
+    task_ops: str = "+"
+    """Operators of the built-in arithmetic task."""
+    task_template: str = TASK_TEMPLATE
+    """How the built-in task words a problem, from {a}, {op} and {b}."""
+
+
 @dataclass(frozen=True)
 class Example:
     prompt: str
@@ -193,3 +215,22 @@ def render_prompt(
         ]
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return text
+
+
+def prompt_source(data: DataConfig, seed: int) -> PromptSource:
+    """The prompts of `data` (a `DataConfig`): the built-in arithmetic task, or a local file."""
+    if data.path is None:
+        return ArithmeticTask(
+            seed=seed,
+            max_operand=data.task_max_operand,
+            ops=data.task_ops,
+            min_operand=data.task_min_operand,
+            template=data.task_template,
+        )
+    return FileDataset(
+        data.path,
+        data.prompt_field,
+        data.answer_field,
+        seed=seed,
+        prompt_template=data.prompt_template,
+    )

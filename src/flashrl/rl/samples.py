@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from flashrl.rl.checkpoint import append_line
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -91,3 +96,11 @@ def collect(
             )
         )
     return out
+
+
+def record_samples(path: Path, samples: list[Sample], print_now: bool = False) -> None:
+    """Append `samples` to samples.jsonl (one fsynced line each); print three when `print_now`."""
+    for sample in samples:
+        append_line(path, sample.to_json())
+    if print_now and samples:
+        tqdm.write(format_samples(samples[:3]))

@@ -51,12 +51,12 @@ from flashrl.rl import checkpoint as ckpt
 from flashrl.rl.batch import Batch, response_logprobs
 from flashrl.rl.checkpoint import read_metrics  # noqa: F401 (public here too)
 from flashrl.rl.config import TrainConfig
-from flashrl.rl.data import ArithmeticTask, Example, FileDataset, PromptSource, render_prompt
+from flashrl.rl.data import Example, prompt_source, render_prompt
 from flashrl.rl.metrics import rollout_metrics
 from flashrl.rl.plan import plan_run
 from flashrl.rl.rewards import get_reward
 from flashrl.rl.routing_replay import build_batch, replay_backend, replay_routing
-from flashrl.rl.samples import SAMPLES_FILE, collect, format_samples
+from flashrl.rl.samples import SAMPLES_FILE, collect, record_samples
 from flashrl.rl.update import ppo_update
 from flashrl.rl.workers import make_backend, make_rollouts
 from flashrl.utils import synchronize
@@ -89,7 +89,7 @@ class Trainer:
             self.model_dir, **NO_REMOTE_CODE
         )
         self._load_models(source_dir, from_checkpoint=resume_dir is not None)
-        self.source = self._prompt_source()
+        self.source = prompt_source(config.data, config.run.seed)
         self.reward_fn = get_reward(config.data.reward)
         self.correction = config.correction
         a = config.algo
@@ -153,20 +153,6 @@ class Trainer:
         from flashrl.rl.presets import resolve_model
 
         return resolve_model(self.config.model)
-
-    def _prompt_source(self) -> PromptSource:
-        d, seed = self.config.data, self.config.run.seed
-        if d.path is None:
-            return ArithmeticTask(
-                seed=seed,
-                max_operand=d.task_max_operand,
-                ops=d.task_ops,
-                min_operand=d.task_min_operand,
-                template=d.task_template,
-            )
-        return FileDataset(
-            d.path, d.prompt_field, d.answer_field, seed=seed, prompt_template=d.prompt_template
-        )
 
     # ------------------------------------------------------------------ one step
 
@@ -265,26 +251,23 @@ class Trainer:
         scores: torch.Tensor,
         trainer_means: dict[int, float],
     ) -> None:
-        """Append `run.samples_per_step` samples to samples.jsonl; print a few every
-        `run.print_samples_every` steps."""
         r = self.config.run
-        if r.samples_per_step == 0:
-            return
-        prompts = [self.tokenizer.decode(ids) for ids in self._encode(examples)]
-        samples = collect(
-            self.step,
-            prompts,
-            [ex.answer for ex in examples],
-            rollouts,
-            scores.tolist(),
-            trainer_means,
-            self.config.algo.group_size,
-            r.samples_per_step,
-        )
-        for sample in samples:
-            ckpt.append_line(self.samples_path, sample.to_json())
-        if r.print_samples_every and self.step % r.print_samples_every == 0:
-            tqdm.write(format_samples(samples[:3]))
+        if r.samples_per_step:
+            prompts = [self.tokenizer.decode(ids) for ids in self._encode(examples)]
+            record_samples(
+                self.samples_path,
+                collect(
+                    self.step,
+                    prompts,
+                    [ex.answer for ex in examples],
+                    rollouts,
+                    scores.tolist(),
+                    trainer_means,
+                    self.config.algo.group_size,
+                    r.samples_per_step,
+                ),
+                print_now=bool(r.print_samples_every) and self.step % r.print_samples_every == 0,
+            )
 
     def _update(self, batch: Batch, t: dict[str, float]) -> dict[str, float]:
         mark = time.perf_counter()

@@ -6,6 +6,7 @@
     flashrl profile  --model DIR --quant int8[,fp8,...] [--prompts FILE] --out profile.json
     flashrl setup    --profile profile.json [--quant SCHEME] --out flashrl.yaml
     flashrl verify   [--device cuda] [--quant int8,fp8] [--no-vllm]
+    flashrl convert  SRC.gguf OUT [--dtype bf16]
 
 Every subcommand's flags come from a dataclass (`flashrl.tools.args`): `GenerateFlags` and
 `SamplingParams` (`flashrl.tools.generate`), `BenchConfig`, `TrainConfig` (dotted: ``--algo.lr``,
@@ -42,6 +43,7 @@ from flashrl.tools import setup as setup_tool
 from flashrl.tools import verify as verify_tool
 from flashrl.tools.args import add_fields, build
 from flashrl.tools.checks import check_environment, dumps, preflight
+from flashrl.tools.convert import add_convert
 from flashrl.tools.generate import add_generate
 from flashrl.tools.profile_report import format_profile
 from flashrl.tools.train import add_train
@@ -195,6 +197,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_profile,
     add_setup,
     add_verify,
+    add_convert,
 ]
 
 
@@ -247,6 +250,18 @@ def user_error_message(err: BaseException) -> str | None:
     return " ".join(message.split())
 
 
+def resolve_model_flag(args: argparse.Namespace) -> None:
+    """A ``--model`` that names a .gguf file or a built-in model becomes its Hugging Face folder
+    (converted or built once into the cache); `flashrl train` resolves its own (it may come from
+    a preset or a YAML file)."""
+    model = getattr(args, "model", None)
+    if args.command != "train" and isinstance(model, str):
+        if model.startswith("builtin:") or model.lower().endswith(".gguf"):
+            from flashrl.rl.presets import resolve_model
+
+            args.model = str(resolve_model(model))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -265,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging()
         check_environment()
         preflight(args)
+        resolve_model_flag(args)
         return args.run(args)
     except Exception as err:
         message = user_error_message(err)
