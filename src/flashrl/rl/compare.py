@@ -60,3 +60,10 @@ def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
             f"run.compare={spec!r} needs at least one scheme, e.g. bf16,int8,int8-notis"
         )
     return out
+
+
+def rollout_name(config: Any) -> str:
+    """The rollout precision of a `TrainConfig` in words: the scheme, or the dtype of unquantized
+    rollouts (the variant name `compare_variants` gives it)."""
+    quant, dtype = config.rollout.quant, config.run.rollout_dtype
+    return dtype if quant == "bf16" and dtype != "bf16" else quant

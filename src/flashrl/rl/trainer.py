@@ -50,6 +50,7 @@ from flashrl.rl import algo
 from flashrl.rl import checkpoint as ckpt
 from flashrl.rl.batch import Batch, response_logprobs
 from flashrl.rl.checkpoint import read_metrics  # noqa: F401 (public here too)
+from flashrl.rl.compare import rollout_name
 from flashrl.rl.config import TrainConfig
 from flashrl.rl.data import Example, prompt_source, render_prompt
 from flashrl.rl.metrics import rollout_metrics
@@ -334,7 +335,7 @@ class Trainer:
         bar = tqdm(
             total=c.steps,
             initial=self.step,
-            desc=f"train ({self.config.rollout.quant})",
+            desc=f"train ({rollout_name(self.config)})",
             unit="step",
             mininterval=0.1 if sys.stderr.isatty() else 10.0,
         )
