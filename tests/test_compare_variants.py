@@ -1,0 +1,48 @@
+"""`run.compare` variant names (`compare_variants`): schemes, unquantized dtypes and -notis."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashrl.errors import ConfigError
+from flashrl.rl.compare import compare_variants
+
+
+def test_unquantized_dtypes_and_bf16():
+    assert compare_variants("fp32") == [
+        ("fp32", {"rollout.quant": "bf16", "run.rollout_dtype": "fp32"})
+    ]
+    assert compare_variants("FP16") == [
+        ("fp16", {"rollout.quant": "bf16", "run.rollout_dtype": "fp16"})
+    ]
+    assert compare_variants("bf16") == [
+        ("bf16", {"rollout.quant": "bf16", "run.rollout_dtype": "bf16"})
+    ]
+    assert compare_variants("int8") == [("int8", {"rollout.quant": "int8"})]
+
+
+def test_notis_turns_the_importance_weight_off():
+    assert compare_variants(" fp32-notis , int8-notis,") == [
+        (
+            "fp32-notis",
+            {"rollout.quant": "bf16", "run.rollout_dtype": "fp32", "correction.weight": "none"},
+        ),
+        ("int8-notis", {"rollout.quant": "int8", "correction.weight": "none"}),
+    ]
+    names = [name for name, _ in compare_variants("fp32,fp32-notis,bf16")]
+    assert names == ["fp32", "fp32-notis", "bf16"]
+
+
+def test_a_variant_twice_is_an_error():
+    with pytest.raises(ConfigError, match=r"lists 'fp32' twice \('FP32' and 'fp32'\)"):
+        compare_variants("FP32,fp32")
+    with pytest.raises(ConfigError, match="twice"):
+        compare_variants("fp16-notis,FP16-notis")
+
+
+def test_unknown_and_empty_names():
+    with pytest.raises(ConfigError, match="run.compare='int3'") as info:
+        compare_variants("int3")
+    assert "fp32" in str(info.value) and "fp16" in str(info.value)
+    with pytest.raises(ConfigError, match="needs at least one scheme"):
+        compare_variants(" , ")
