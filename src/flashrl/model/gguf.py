@@ -91,12 +91,12 @@ def check_gguf(path: Path) -> tuple[str, dict[str, int]]:
         raise InputError(f"{path}: GGUF metadata has no general.architecture")
     arch = bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
     aliases = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES and aliases.get(arch) not in (
-        GGUF_SUPPORTED_ARCHITECTURES
-    ):
+    # the loader's mapping also has the metadata sections "general" and "tokenizer"
+    supported = sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})
+    if arch not in supported and aliases.get(arch) not in supported:
         raise UnsupportedError(
             f"{path}: GGUF architecture {arch!r} is not supported by transformers' GGUF loader; "
-            f"supported: {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}"
+            f"supported: {', '.join(supported)}"
         )
     types: dict[str, int] = {}
     first: dict[str, object] = {}
@@ -139,7 +139,11 @@ def convert_gguf(
             if out.exists():  # --overwrite: the old folder goes only once the new one is complete
                 aside = out.parent / f".{out.name}.old{os.getpid()}"
                 out.rename(aside)
-                tmp.rename(out)
+                try:
+                    tmp.rename(out)
+                except OSError:
+                    aside.rename(out)  # the old folder back where it was
+                    raise
                 shutil.rmtree(aside, ignore_errors=True)
             else:
                 tmp.rename(out)

@@ -19,7 +19,8 @@ On the CPU, `int8_mm` computes the same int32 result with fp32 matmuls over chun
 sum of a chunk is an integer of magnitude at most 2^24, which fp32 represents exactly, and the
 chunks add in int32. The result is bit-identical to `torch._int_mm` (tested), and on CPUs without
 int8 dot-product units it is 10-30x faster (torch's CPU `_int_mm` on a 2-core AMD EPYC: 31 ms for
-a 64x576x1536 product, against 3.3 ms; benchmarks/RESULTS.md).
+a 64x576x1536 product, against 3.3 ms; benchmarks/RESULTS.md). CPUs with AMX int8 tiles keep
+`torch._int_mm` (oneDNN's AMX kernels).
 
 Activations are quantized by `primitives.quantize_activation`, which runs the fused Triton kernels of
 `flashrl.quant.kernels` on CUDA (bit-identical to the torch reference; ``FLASHRL_QUANT_KERNELS``
@@ -28,6 +29,7 @@ switches, see docs/kernels.md) and the torch reference elsewhere.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -76,12 +78,23 @@ def int8_mm(xq: torch.Tensor, wq: torch.Tensor, min_rows: int | None = None) -> 
     `min_rows` pads M with zero rows (default: 17 on CUDA, where `_int_mm` needs M > 16; none on CPU).
     """
     m = xq.shape[0]
-    if xq.device.type == "cpu" and min_rows is None:
+    if xq.device.type == "cpu" and min_rows is None and not cpu_has_amx_int8():
         return int8_mm_exact_fp32(xq, wq)
     if min_rows is None:
         min_rows = INT_MM_MIN_ROWS_CUDA if xq.is_cuda else 0
     acc = torch._int_mm(pad_rows(xq, min_rows), wq.t())
     return acc[:m]
+
+
+@functools.cache
+def cpu_has_amx_int8() -> bool:
+    """Whether this CPU reports AMX int8 tiles (Linux /proc/cpuinfo), where torch's `_int_mm`
+    runs oneDNN's AMX kernels and is the faster CPU path; elsewhere the fp32 chunks are."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
+    except OSError:
+        return False
 
 
 def int8_mm_exact_fp32(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from flashrl.fileio import atomic_write_text
 from flashrl.model.remote_code import check_trust_remote_code
 from flashrl.rl.algo import ADVANTAGES
 from flashrl.rl.compare import compare_variants
-from flashrl.rl.data import DataConfig
+from flashrl.rl.data import DataConfig, prompt_source
 from flashrl.rl.legacy import LEGACY_NAMES
 from flashrl.rl.rewards import REWARDS
 
@@ -243,6 +243,8 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         self._check_batch()
+        if self.data.path is None:  # the built-in task's operands and template, before any work
+            prompt_source(self.data, r.seed)
         if a.lr <= 0 or a.grad_clip < 0 or a.kl_coef < 0:
             raise ConfigError("algo.lr must be > 0; algo.grad_clip and algo.kl_coef must be >= 0")
         if self.correction.mode == "bypass" and a.mini_batches > 1:
