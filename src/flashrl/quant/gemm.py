@@ -29,7 +29,6 @@ switches, see docs/kernels.md) and the torch reference elsewhere.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -78,7 +77,7 @@ def int8_mm(xq: torch.Tensor, wq: torch.Tensor, min_rows: int | None = None) -> 
     `min_rows` pads M with zero rows (default: 17 on CUDA, where `_int_mm` needs M > 16; none on CPU).
     """
     m = xq.shape[0]
-    if xq.device.type == "cpu" and min_rows is None and not cpu_has_amx_int8():
+    if xq.device.type == "cpu" and min_rows is None and not CPU_HAS_AMX_INT8:
         return int8_mm_exact_fp32(xq, wq)
     if min_rows is None:
         min_rows = INT_MM_MIN_ROWS_CUDA if xq.is_cuda else 0
@@ -86,7 +85,6 @@ def int8_mm(xq: torch.Tensor, wq: torch.Tensor, min_rows: int | None = None) -> 
     return acc[:m]
 
 
-@functools.cache
 def cpu_has_amx_int8() -> bool:
     """Whether this CPU reports AMX int8 tiles (Linux /proc/cpuinfo), where torch's `_int_mm`
     runs oneDNN's AMX kernels and is the faster CPU path; elsewhere the fp32 chunks are."""
@@ -95,6 +93,10 @@ def cpu_has_amx_int8() -> bool:
             return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
     except OSError:
         return False
+
+
+CPU_HAS_AMX_INT8 = cpu_has_amx_int8()
+"""Read once at import (a traced decode step must not open files)."""
 
 
 def int8_mm_exact_fp32(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
