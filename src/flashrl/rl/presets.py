@@ -82,7 +82,8 @@ PRESETS["smollm2-arith"] = {  # a real pretrained model on 2 CPU cores (docs/rea
     "data.task_max_operand": 99,
     "data.task_ops": "+",
     "data.task_template": "Compute {a} {op} {b}. Answer with just the number.",
-    "data.reward": "math_verify",
+    # not math_verify: it evaluates expressions, so restating "43 + 69" earns the reward for 112
+    "data.reward": "numeric",
     "rollout.quant": "int8",
     "correction.cap": 2.0,
     "algo.max_prompt_tokens": 64,
@@ -91,7 +92,7 @@ PRESETS["smollm2-arith"] = {  # a real pretrained model on 2 CPU cores (docs/rea
     "algo.group_size": 4,
     "algo.lr": 1e-5,
     "algo.temperature": 1.0,
-    "run.steps": 20,
+    "run.steps": 10,
     "run.micro_batch_size": 32,
     "run.rollout_dtype": "bf16",
     "run.device": "cpu",
