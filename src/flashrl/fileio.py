@@ -1,10 +1,14 @@
-"""Atomic file writes: a reader (or a crash) sees the old file or the new one, never a half-written one."""
+"""Atomic file writes: a reader (or a crash) sees the old file or the new one, never a half-written one;
+`check_input_file`: an input path that is a readable file, or one line saying what it is instead."""
 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
+
+from flashrl.errors import InputError
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)  # read once at import: os.umask can only be read by setting it
@@ -67,3 +71,49 @@ def fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+_FILE_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFCHR: "a character device, not a file",
+    stat.S_IFBLK: "a block device, not a file",
+    stat.S_IFIFO: "a named pipe, not a file",
+    stat.S_IFSOCK: "a socket, not a file",
+}
+
+
+def check_input_file(
+    path: str | Path,
+    what: str,
+    expected: str,
+    error: type[Exception] = InputError,
+    missing: type[Exception] = FileNotFoundError,
+) -> Path:
+    """`path` as a regular file that can be opened for reading; else one line saying what it is
+    instead: `missing` for a file (or a link's target) that does not exist, `error` for a directory,
+    a device such as /dev/null, a pipe, or a file that cannot be read (with the system's reason,
+    e.g. Permission denied). `what` names the file (``"dataset file"``), `expected` what is
+    allowed (``"a .jsonl file"``)."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        if path.is_symlink():
+            target = os.readlink(path)
+            message = f"{what} {str(path)!r} is a link to {target!r}, which does not exist"
+            raise missing(message) from None
+        raise missing(f"{what} {str(path)!r} does not exist") from None
+    except OSError as err:  # e.g. a directory on the way that cannot be searched
+        raise error(
+            f"{what} {str(path)!r} cannot be read ({err.strerror}); expected {expected}"
+        ) from None
+    if not stat.S_ISREG(mode):
+        kind = _FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise error(f"{what} {str(path)!r} is {kind}; expected {expected}")
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+    except OSError as err:
+        raise error(
+            f"{what} {str(path)!r} cannot be read ({err.strerror}); expected {expected}"
+        ) from None
+    return path

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from flashrl.errors import ConfigError
-from flashrl.fileio import atomic_write_text
+from flashrl.fileio import atomic_write_text, check_input_file
 
 SCHEME_NAMES = ("bf16", "int8", "fp8", "fp8_channel", "fp8_block")
 """The weight schemes of `flashrl.quant.SCHEMES`, by name."""
@@ -39,20 +39,56 @@ class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
     """A config file named by an option or variable does not exist (also a FileNotFoundError)."""
 
 
-def read_yaml(path: str | Path) -> Any:
-    """The content of a YAML file, parsed with `yaml.safe_load` (tags that build Python objects are
-    refused, never run). Every error is a one-line `ConfigError` naming the file."""
-    path = Path(path)
-    if path.is_dir():
-        raise ConfigError(f"config file {str(path)!r} is a directory; expected a YAML file")
-    if not path.is_file():
-        raise ConfigFileNotFoundError(f"config file {str(path)!r} does not exist")
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A key given twice in one YAML mapping (PyYAML keeps the last silently)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key repeated in one mapping, naming both lines."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # ``<<`` merge keys may repeat; PyYAML resolves them
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: PyYAML's own error follows
+                continue
+            if first is not key_node.start_mark:
+                raise DuplicateKeyError(
+                    problem=f"key {key!r} is given twice in one mapping, on "
+                    f"{_where(first, key_node.start_mark)}; PyYAML would keep the last one "
+                    f"silently: keep one of them",
+                    problem_mark=key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+def _where(first: yaml.Mark, second: yaml.Mark) -> str:
+    if first.line != second.line:
+        return f"lines {first.line + 1} and {second.line + 1}"
+    return f"line {first.line + 1} (columns {first.column + 1} and {second.column + 1})"
+
+
+def read_yaml(path: str | Path, what: str = "config file") -> Any:
+    """The content of a YAML file, parsed with a `yaml.SafeLoader` (tags that build Python objects
+    are refused, never run) that also refuses a key repeated in one mapping. Every error is a
+    one-line `ConfigError` naming the file (`what` says which file it is)."""
+    path = check_input_file(path, what, "a YAML file", ConfigError, ConfigFileNotFoundError)
     try:
-        text = path.read_bytes().decode("utf-8")
+        raw = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{what} {str(path)!r} cannot be read ({err.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not valid YAML (not UTF-8 text: byte {err.start})") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no tag runs code
+    except DuplicateKeyError as err:
+        raise ConfigError(f"{path}: {err.problem}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({yaml_problem(err)})") from None
 
@@ -211,8 +247,9 @@ def resolve_config(
         return RolloutConfig(quant=text.lower())
     path = Path(text).expanduser()
     if text and (path.is_file() or text.lower().endswith(_YAML_SUFFIXES) or os.sep in text):
-        if not path.is_file():
-            raise ConfigFileNotFoundError(f"{source}: config file {text!r} does not exist")
+        check_input_file(
+            path, f"{source}: config file", "a YAML file", ConfigError, ConfigFileNotFoundError
+        )
         try:
             return RolloutConfig.from_yaml(path)
         except ConfigError as err:

@@ -110,14 +110,25 @@ def parse_float(key: str, text: str) -> float:
         raise ConfigError(f"CorrectionConfig.{key}={text!r} is not a number") from None
 
 
+THRESHOLD_FORMATS = {
+    "band": "lo_hi with an underscore between the bounds and lo <= 1 <= hi, e.g. 0.5_5.0",
+    "rejection_thresholds": "comma-separated thresholds in the order of rejection, each lo_hi "
+    "(e.g. 0.999_1.001) or one upper bound (e.g. 0.01)",
+}
+"""The string forms of ``band`` and ``rejection_thresholds``, for error messages."""
+
+
 def parse_threshold(key: str, value: Any) -> Threshold:
     """A threshold from YAML or a flag: ``"lo_hi"`` -> ``(lo, hi)``, ``"x"`` -> ``x``; a list
     becomes a tuple."""
     if isinstance(value, str):
         parts = value.strip().split("_")
-        if len(parts) == 2:
-            return (parse_float(key, parts[0]), parse_float(key, parts[1]))
-        return parse_float(key, value)
+        try:
+            if len(parts) == 2:
+                return (parse_float(key, parts[0]), parse_float(key, parts[1]))
+            return parse_float(key, value)
+        except ConfigError:
+            fail(key, value, THRESHOLD_FORMATS.get(key, "a number"))
     if isinstance(value, list):
         return tuple(value)
     return value

@@ -32,6 +32,7 @@ from flashrl.fileio import atomic_write_text
 from flashrl.model.remote_code import check_trust_remote_code
 from flashrl.rl.algo import ADVANTAGES
 from flashrl.rl.compare import compare_variants
+from flashrl.rl.config_checks import check_numbers
 from flashrl.rl.data import DataConfig, prompt_source
 from flashrl.rl.legacy import LEGACY_NAMES
 from flashrl.rl.rewards import REWARDS
@@ -245,8 +246,7 @@ class TrainConfig:
         self._check_batch()
         if self.data.path is None:  # the built-in task's operands and template, before any work
             prompt_source(self.data, r.seed)
-        if a.lr <= 0 or a.grad_clip < 0 or a.kl_coef < 0:
-            raise ConfigError("algo.lr must be > 0; algo.grad_clip and algo.kl_coef must be >= 0")
+        check_numbers(self)  # finite floats; lr, decay, penalties, save_every, workers, output_dir
         if self.correction.mode == "bypass" and a.mini_batches > 1:
             raise ConfigError(
                 "correction.mode='bypass' takes the PPO ratio against the rollout "

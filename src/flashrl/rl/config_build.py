@@ -46,30 +46,66 @@ def layer_values(
     layer: Mapping[Any, Any], source: str, path: str | None = None, warn: bool = True
 ) -> dict[str, Any]:
     """One layer (nested, dotted or old flat names) as typed values under dotted names; unknown
-    keys are a ConfigError naming `path` (or `source`) and the allowed keys."""
-    items: list[tuple[Any, Any]] = []
+    keys are a ConfigError naming `path` (or `source`) and the allowed keys, and so is a field the
+    layer sets twice (say ``lr`` and ``algo.lr``) to different values."""
+    items: list[tuple[Any, Any, str]] = []  # (dotted key, value, the key as the layer spells it)
     for key, value in layer.items():
         if is_legacy(key, value):
-            items.append((rename(key, path or source, warn), value))
+            items.append((rename(key, path or source, warn), value, str(key)))
         elif key in SHORT_NAMES:
-            items.append((SHORT_NAMES[key], value))
+            items.append((SHORT_NAMES[key], value, key))
         elif key in GROUPS and isinstance(value, Mapping):
-            items += [(f"{key}.{name}", v) for name, v in value.items()]
+            items += [(f"{key}.{name}", v, f"{key}: {name}") for name, v in value.items()]
         elif key in GROUPS and value is not None:
             raise ConfigError(
                 f"{path or source}: {key} must be a mapping of "
                 f"{GROUPS[key].__name__} fields, got {value!r}"
             )
         elif key not in GROUPS:
-            items.append((key, value))
+            items.append((key, value, str(key)))
     types = {**field_types(), **_EXTRA_TYPES}
-    unknown = sorted(str(k) for k, _ in items if k not in types)
+    unknown = sorted(str(k) for k, _, _ in items if k not in types)
     if unknown:
         allowed = ", ".join(k for k in types if k != TIS_CAP)
         raise ConfigError(
             f"unknown config key(s) in {path or source}: {', '.join(unknown)}; allowed: {allowed}"
         )
-    return {key: _typed(key, types[key], value, path) for key, value in items}
+    return _typed_once(items, types, source, path)
+
+
+def _typed_once(
+    items: list[tuple[Any, Any, str]], types: dict[str, Any], source: str, path: str | None
+) -> dict[str, Any]:
+    """The typed values of one layer's items; a field given twice must get the same value (an old
+    flat name and its new name, nested and dotted), else a ConfigError naming both spellings."""
+    out: dict[str, Any] = {}
+    first: dict[str, tuple[str, Any]] = {}
+    for key, raw, spelled in items:
+        value = _typed(key, types[key], raw, path)
+        if key == TIS_CAP and "correction.cap" in out:  # tis_cap is the old correction.cap
+            key = "correction.cap"
+        elif key == "correction.cap" and TIS_CAP in out:
+            out[key], first[key] = out[TIS_CAP], first[TIS_CAP]
+        if key in out and not _same(out[key], value):
+            other, other_raw = first[key]
+            raise ConfigError(
+                f"{path or source}: {other}={other_raw!r} and {spelled}={raw!r} set the same "
+                f"field {key} to different values; give it once, as {key}"
+            )
+        first.setdefault(key, (spelled, raw))
+        out[key] = value
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values, or strings and numbers of the same number (correction fields stay strings
+    until `CorrectionConfig.from_dict` parses them)."""
+    if a == b:
+        return True
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return False
 
 
 def _typed(key: str, hint: Any, value: Any, path: str | None) -> Any:

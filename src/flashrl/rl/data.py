@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from flashrl.errors import ConfigError, InputError, UnsupportedError
+from flashrl.fileio import check_input_file
 
 TASK_TEMPLATE = "{a}{op}{b}="
 
@@ -158,13 +159,7 @@ class FileDataset:
 
 def read_rows(path: str | Path) -> list[dict]:
     """Rows of a .jsonl / .json (list of objects) / .parquet file."""
-    path = Path(path)
-    if path.is_dir():
-        raise InputError(
-            f"dataset {str(path)!r} is a directory; expected a .jsonl, .json or .parquet file"
-        )
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
+    path = check_input_file(path, "dataset file", "a .jsonl, .json or .parquet file")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         try:

@@ -47,7 +47,22 @@ def plan_run(
             f"discard it: pass --run.overwrite true to delete the newer "
             f"checkpoints, or --run.resume latest"
         )
+    check_metrics_present(out, path, state["step"], c.resume)
     return path, state, damaged, newer
+
+
+def check_metrics_present(out: Path, checkpoint: Path, step: int, resume: str) -> None:
+    """A resume into the checkpoint's own directory needs its metrics.jsonl (the history of the
+    steps the checkpoint holds): a deleted one is a CheckpointError saying how to go on. An empty
+    file is accepted: the resumed run continues without those steps' metrics."""
+    metrics = out / ckpt.METRICS_FILE
+    if step > 0 and not metrics.exists():
+        raise CheckpointError(
+            f"--run.resume {resume}: {metrics} is missing, but {checkpoint.name} holds {step} "
+            f"trained step(s) whose metrics it recorded. Put the file back; or create it empty "
+            f"(touch {metrics}) to resume without the metrics of steps 0-{step - 1}; or start "
+            f"over with --run.overwrite true and no --run.resume"
+        )
 
 
 def check_resume_config(config: TrainConfig, path: Path, stored: dict) -> None:

@@ -45,6 +45,7 @@ from flashrl.core.rollout import Rollout, RolloutBackend
 from flashrl.core.sampling import SamplingParams
 from flashrl.correction import compute_correction
 from flashrl.errors import CheckpointError
+from flashrl.model.pretrained import load_causal_lm
 from flashrl.model.remote_code import NO_REMOTE_CODE, check_no_custom_code
 from flashrl.rl import algo
 from flashrl.rl import checkpoint as ckpt
@@ -124,27 +125,16 @@ class Trainer:
 
     def _load_models(self, source_dir: Path, from_checkpoint: bool) -> None:
         """The policy (from `source_dir`), the frozen reference (KL penalty only) and AdamW."""
-        import transformers
-
         c = self.config.algo
         dtype = resolve_dtype(self.config.run.trainer_dtype)
         # a checkpoint's weights load from safetensors only (never a pickled pytorch_model.bin)
-        self.policy = transformers.AutoModelForCausalLM.from_pretrained(
-            source_dir,
-            dtype=dtype,
-            use_safetensors=True if from_checkpoint else None,
-            **NO_REMOTE_CODE,
+        self.policy = load_causal_lm(  # a bad pytorch_model.bin: a CheckpointError naming it
+            source_dir, dtype=dtype, use_safetensors=True if from_checkpoint else None
         ).to(self.device)
         self.policy.config.use_cache = False
         self.reference = None
         if c.kl_coef > 0:
-            self.reference = (
-                transformers.AutoModelForCausalLM.from_pretrained(
-                    self.model_dir, dtype=dtype, **NO_REMOTE_CODE
-                )
-                .to(self.device)
-                .eval()
-            )
+            self.reference = load_causal_lm(self.model_dir, dtype=dtype).to(self.device).eval()
             self.reference.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=c.lr, weight_decay=c.weight_decay, betas=(0.9, 0.999)

@@ -22,6 +22,9 @@ def make_backend(config: TrainConfig, model_dir: Path, device: torch.device) -> 
     max_len = a.max_prompt_tokens + a.max_response_tokens
     max_batch = min(r.max_batch, a.batch_size)
     if r.backend == "vllm":
+        from flashrl.vllm_backend.install_check import require_vllm
+
+        require_vllm("run.backend=vllm")  # one line with the install commands, not ImportError
         from flashrl.vllm_backend import VLLMBackend
 
         kwargs = {"max_model_len": max_len, "max_num_seqs": max_batch, **r.llm_kwargs()}

@@ -15,6 +15,7 @@ import torch
 
 from flashrl.engine import Engine
 from flashrl.errors import ConfigError, InputError
+from flashrl.fileio import check_input_file
 
 CALIBRATION_PROMPTS: tuple[str, ...] = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
@@ -52,11 +53,7 @@ RANDOM_PROMPTS = 16
 def read_prompts_file(path: str | Path) -> list[str]:
     """Prompts from a .jsonl file (JSON strings or objects with "prompt" / "text") or a text file
     (one prompt per non-empty line). Errors name the file and line."""
-    path = Path(path)
-    if path.is_dir():
-        raise InputError(f"--prompts: {str(path)!r} is a directory; expected a .txt or .jsonl file")
-    if not path.is_file():
-        raise FileNotFoundError(f"--prompts: file {str(path)!r} does not exist")
+    path = check_input_file(path, "--prompts: file", "a .txt or .jsonl file")
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:

