@@ -360,3 +360,28 @@ def test_correction_bands_show_the_accepted_format(
     flag, value, parts, capsys, no_training, workdir
 ):
     refused(capsys, ["--correction.weight", "token_mis", flag, value], *parts)
+
+
+@pytest.mark.parametrize(
+    "read, what",
+    [
+        ("flashrl.rl.data:read_rows", "dataset file"),
+        ("flashrl.tools.setup:load_profile", "--profile: file"),
+        ("flashrl.tools.calibration_prompts:read_prompts_file", "--prompts: file"),
+    ],
+)
+def test_other_input_files_say_what_they_are(read, what, tmp_path):
+    import importlib
+
+    from flashrl.errors import InputError
+
+    module, _, name = read.partition(":")
+    reader = getattr(importlib.import_module(module), name)
+    with pytest.raises(InputError, match=rf"{what} '/dev/null' is a character device"):
+        reader(os.devnull)
+    with pytest.raises(InputError, match=rf"{what} '{tmp_path}' is a directory; expected"):
+        reader(tmp_path)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(tmp_path / "gone.jsonl")
+    with pytest.raises(FileNotFoundError, match="is a link to .*gone.jsonl.*which does not exist"):
+        reader(link)
