@@ -76,7 +76,7 @@ def test_bf16_engine_ignores_changes_below_half_an_ulp(model_dir, checkpoint):
     before = stored(e)
     small = e.update_weights(perturbed(checkpoint, 1e-5, bf16=True).items(), count_changed=True)
     assert small["dense_changed_frac"] == 0.0 and small["weights_changed_frac"] == 0.0
-    assert small["codes_changed_frac"] == 0.0  # a bf16 engine has no codes
+    assert "codes_changed_frac" not in small  # a bf16 engine has no codes
     after = stored(e)
     assert all(torch.equal(before[k][1], after[k][1]) for k in before)
     large = e.update_weights(perturbed(checkpoint, 1e-1, bf16=True).items(), count_changed=True)

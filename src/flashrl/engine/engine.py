@@ -187,7 +187,6 @@ class Engine:
         )
         if counts is not None:
             result.update(counts.fractions())
-            result.setdefault("codes_changed_frac", 0.0)
         return result
 
     # ------------------------------------------------------------------ fp8 KV scales
