@@ -214,8 +214,9 @@ class Trainer:
             batch = build_batch(  # a ReplayBatch when the rollouts carry routing
                 [rollouts[i] for i in kept], advantages[keep], self.device
             )
-            metrics.update(self._update(batch, t))
-            trainer_means = dict(zip(kept, self._trainer_means.tolist()))
+            update_metrics, means = self._update(batch, t)
+            metrics.update(update_metrics)
+            trainer_means = dict(zip(kept, means.tolist()))
             mark = time.perf_counter()
             sync = self.rollouts.sync(self.policy.named_parameters())
             t["sync_total"] = time.perf_counter() - mark
@@ -260,7 +261,9 @@ class Trainer:
                 print_now=bool(r.print_samples_every) and self.step % r.print_samples_every == 0,
             )
 
-    def _update(self, batch: Batch, t: dict[str, float]) -> dict[str, float]:
+    def _update(self, batch: Batch, t: dict[str, float]) -> tuple[dict[str, float], torch.Tensor]:
+        """The PPO update of `batch`: its metrics, and the trainer's mean logprob per row before
+        the update (for samples.jsonl)."""
         mark = time.perf_counter()
         self.policy.eval()
         with torch.no_grad():
@@ -274,7 +277,7 @@ class Trainer:
         ratio_base = old if self.correction.mode == "decoupled" else batch.rollout_logprobs
         metrics = {f"rollout_corr/{k}": v for k, v in corr.metrics.items()}
         mask = batch.response_mask.to(old.dtype)
-        self._trainer_means = (old * mask).sum(1).cpu() / mask.sum(1).clamp(min=1).cpu()
+        means = (old * mask).sum(1).cpu() / mask.sum(1).clamp(min=1).cpu()
         metrics["actor/entropy"] = (entropy * batch.response_mask).sum().item() / max(
             batch.response_mask.sum().item(), 1
         )
@@ -297,7 +300,7 @@ class Trainer:
         t["train"] = time.perf_counter() - mark
         metrics.update({f"actor/{k}": v for k, v in actor.items()})
         metrics["actor/lr"] = self._lr()
-        return metrics
+        return metrics, means
 
     def _logprobs(self, model, batch: Batch, with_entropy: bool = False):
         outs, ents = [], []
