@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -353,8 +354,15 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
         for scheme in schemes:
             for kv in parse_kv_dtypes(cfg.kv_cache_dtype):
                 for mode in parse_compile_modes(cfg.compile):
-                    rows.append(_bench_engine(model_dir, scheme, cfg, random, prompts, kv, mode))
+                    row = _bench_engine(model_dir, scheme, cfg, random, prompts, kv, mode)
+                    rows.append(row)
                     _release_memory()  # the last row's engine (a compiled one is a cycle)
+                    # progress on long runs (a 7B grid takes minutes): each row as it finishes
+                    print(
+                        f"[bench] {scheme} kv={kv} compile={mode or 'none'}: {row.tokens_per_s:.1f} tok/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         if cfg.hf:
             rows.append(_bench_hf(model_dir, cfg, prompts, random))
     device = resolve_device(cfg.device)
