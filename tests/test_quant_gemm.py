@@ -93,6 +93,39 @@ def test_fp8_scaled_mm_against_fp64_dequant(name, m, k, n, out_dtype, tol, gen):
     assert rel_err(y, ref) < tol
 
 
+@pytest.mark.parametrize("name", ["fp8", "fp8_channel"])
+@pytest.mark.parametrize("out_dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
+def test_fp8_cpu_without_rowwise_scaled_mm(name, out_dtype, tol, monkeypatch, gen):
+    """A torch whose CPU `_scaled_mm` takes no rowwise scales (2.11; seen on a GPU machine's image)
+    multiplies the fp8 codes in fp32 instead: same products, so within fp32 summation rounding of
+    `_scaled_mm` and of the float64 reference, and `_scaled_mm` is never called with rowwise scales."""
+    import flashrl.quant.gemm as gemm
+
+    scheme = get_scheme(name)
+    x, w = torch.randn(9, 256, generator=gen), torch.randn(48, 256, generator=gen) * 0.05
+    wq, sw = quantize_weight(w, scheme)
+    kernel = fp8_linear(x, wq, sw, scheme, None, out_dtype)
+    monkeypatch.setattr(gemm, "_cpu_rowwise", False)
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: pytest.fail("_scaled_mm called"))
+    y = fp8_linear(x, wq, sw, scheme, None, out_dtype)
+    xq, sx = quantize_activation(x, scheme)
+    ref = (xq.double() * sx.double()) @ (wq.double() * sw.double().reshape(-1, 1)).t()
+    assert y.dtype == out_dtype and rel_err(y, ref) < tol and rel_err(y, kernel) < tol
+
+
+def test_cpu_rowwise_probe_matches_this_torch():
+    """The probe's answer is what this torch's CPU kernel does with rowwise scales."""
+    import flashrl.quant.gemm as gemm
+
+    a = torch.ones(2, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(2, 1), torch.ones(1, 2), out_dtype=torch.float32)
+        works = True
+    except RuntimeError:
+        works = False
+    assert gemm.cpu_has_rowwise_scaled_mm() is works
+
+
 def test_fp8_tensor_with_per_row_weight_scale_equals_per_shard(gen):
     """A fused per-tensor layer passes one scale per row; equal row scales give the tensorwise result."""
     scheme = get_scheme("fp8")

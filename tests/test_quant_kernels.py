@@ -475,6 +475,28 @@ def compile_ptx(fn, pointers: dict[str, str], constexprs: dict[str, object], arc
     return triton.compile(source, target=target, options={"enable_fp_fusion": False}).asm["ptx"]
 
 
+def test_jit_globals_are_named_as_their_def_for_inductor():
+    """torch.compile (inductor) rebuilds a user Triton kernel from source: for each name the kernel's
+    code loads that is a ``@triton.jit`` global, it pastes that function's source, whose ``def`` line
+    gives the name. A global bound to a function of another name (``_MAX_COMBINE =
+    tl.standard._elementwise_max``) is then undefined: every CUDA-graph decode step with int8 or fp8
+    failed with a NameError on an H100 (torch 2.11). Checked here the way inductor walks the calls."""
+    from triton.runtime.jit import JITFunction
+
+    module = kernels._load(interpret=False)
+    seen, todo, wrong = set(), [v for v in vars(module).values() if isinstance(v, JITFunction)], []
+    while todo:
+        fn = todo.pop()
+        for name in fn.fn.__code__.co_names:
+            target = fn.fn.__globals__.get(name)
+            if isinstance(target, JITFunction) and name not in seen:
+                seen.add(name)
+                todo.append(target)
+                if target.fn.__name__ != name:
+                    wrong.append(f"{fn.fn.__name__} calls {name}, defined as {target.fn.__name__}")
+    assert "_max_combine" in seen and not wrong, wrong
+
+
 def test_ptx_uses_ieee_division():
     """Every kernel compiles for H100 (sm_90) and A100 (sm_80), and every division in it is
     ``div.rn.f32`` (IEEE round to nearest). Triton's plain ``/`` would give ``div.full.f32``

@@ -48,6 +48,28 @@ EXACT_FP32_CHUNK = 1024
 """Columns of K per fp32 matmul in the CPU int8 path: 1024 * 128 * 128 = 2^24, the largest integer
 range fp32 holds exactly (codes are in [-128, 127])."""
 _warned_block_reference = False
+_cpu_rowwise: bool | None = None
+
+
+def cpu_has_rowwise_scaled_mm() -> bool:
+    """Whether this torch's CPU `torch._scaled_mm` takes rowwise scales (torch 2.13 does; 2.11 only
+    takes one scale per operand). Probed once; without it the CPU fp8 path multiplies the fp8 codes
+    as fp32 (every product of two e4m3 values is exact in fp32; only the summation order differs),
+    and says so once at INFO."""
+    global _cpu_rowwise
+    if _cpu_rowwise is None:
+        a = torch.ones(2, 16).to(torch.float8_e4m3fn)
+        try:
+            torch._scaled_mm(a, a.t(), torch.ones(2, 1), torch.ones(1, 2), out_dtype=torch.float32)
+            _cpu_rowwise = True
+        except (RuntimeError, NotImplementedError):
+            _cpu_rowwise = False
+            logger.info(
+                "torch %s: CPU _scaled_mm has no rowwise scales; CPU fp8 GEMMs run as fp32 "
+                "matmuls of the fp8 codes (same products, another summation order)",
+                torch.__version__,
+            )
+    return _cpu_rowwise
 
 
 def check_gemm_shape(
@@ -152,7 +174,10 @@ def fp8_linear(
     else:
         scale_a = x_scale.reshape(-1, 1).expand(xq.shape[0], 1).contiguous()
         scale_b = w_scale.reshape(1, -1).expand(1, wq.shape[0]).contiguous()
-        y = torch._scaled_mm(xq, wq.t(), scale_a, scale_b, out_dtype=out_dtype)
+        if x.is_cuda or cpu_has_rowwise_scaled_mm():
+            y = torch._scaled_mm(xq, wq.t(), scale_a, scale_b, out_dtype=out_dtype)
+        else:  # torch < 2.13 on CPU: the same exact products, summed by an fp32 matmul
+            y = (xq.float() @ wq.float().t()).mul_(scale_a).mul_(scale_b).to(out_dtype)
     if bias is not None:
         y = y + bias.to(out_dtype)
     return y

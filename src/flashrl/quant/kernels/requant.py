@@ -57,13 +57,16 @@ def _max_combine(a, b):
     return tl.maximum(a, b)
 
 
-_MAX_COMBINE = getattr(tl.standard, "_elementwise_max", _max_combine)
-"""The combine function of `tl.max`. The kernels call ``tl.reduce(x, axis, _MAX_COMBINE)``, which is
-what ``tl.max`` does for fp32 / int32, because ``tl.max`` is itself a ``@triton.jit`` function made
-when triton is imported: under the interpreter it only works if TRITON_INTERPRET was set before
-``import triton``, which would tie the whole process to one mode. The interpreter recognises Triton's
-own combine function and reduces with numpy; `_max_combine` (same result, reduced element by element
-under the interpreter) is there for a triton without it."""
+# The combine function of the kernels' ``tl.reduce(x, axis, _max_combine)`` (what ``tl.max`` does for
+# fp32 / int32; ``tl.max`` itself is a ``@triton.jit`` function made when triton is imported, and under
+# the interpreter it only works if TRITON_INTERPRET was set before ``import triton``, which would tie
+# the process to one mode). The interpreter recognises Triton's own combine function and reduces with
+# numpy, so the interpreted copy uses it (a custom one is reduced element by element). The compiled
+# copy keeps its own `_max_combine` under its own name: torch.compile (inductor) copies the source of
+# each ``@triton.jit`` global a user kernel calls under the name in its ``def``, so a global bound to
+# a function of another name is undefined in the compiled graph (NameError on an H100, torch 2.11).
+if __name__.endswith("_interpreted"):  # how `flashrl.quant.kernels._load` names the interpreted copy
+    _max_combine = getattr(tl.standard, "_elementwise_max", _max_combine)
 
 
 @triton.jit
@@ -74,8 +77,8 @@ def _amax_nan(a, axis):
     own; one reduction with a NaN-propagating combine function would do, but the interpreter runs
     custom combine functions element by element."""
     is_nan = a != a
-    amax = tl.reduce(tl.where(is_nan, float("inf"), a), axis, _MAX_COMBINE)
-    return tl.where(tl.reduce(is_nan.to(tl.int32), axis, _MAX_COMBINE) > 0, float("nan"), amax)
+    amax = tl.reduce(tl.where(is_nan, float("inf"), a), axis, _max_combine)
+    return tl.where(tl.reduce(is_nan.to(tl.int32), axis, _max_combine) > 0, float("nan"), amax)
 
 
 @triton.jit
