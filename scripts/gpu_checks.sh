@@ -5,18 +5,25 @@
 # the next, and everything lands in $OUT as plain files (log.txt, JSON, junit XML; at most 8).
 #
 #   OUT=/tmp/gpu BUDGET_S=480 bash scripts/gpu_checks.sh [sections]
-#   sections (in priority order): env,tests,requant,bench,train,compile
+#   sections (in priority order): env,tests,diag,requant,bench,train,compile
+#   TESTS: test files for the tests section (default: tests); COMPILE_QUANT, COMPILE_MODES: the
+#   compile section's schemes and modes (default: bf16,fp8 and none,reduce-overhead)
 #
 # No install step: the GPU image's python3 already has torch, transformers, safetensors, pyyaml, tqdm,
 # numpy and pytest; flashrl runs from src/ (math-verify and gguf are imported lazily, unused here).
 set -u
 OUT=${OUT:-/tmp/flashrl-gpu}
-SECTIONS=${1:-env,tests,requant,bench,train,compile}
+SECTIONS=${1:-env,tests,diag,requant,bench,train,compile}
 BUDGET_S=${BUDGET_S:-540}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 LOG="$OUT/log.txt"
-flashrl() { python3 -c 'import sys; from flashrl.cli import main; sys.exit(main())' "$@"; }
+# `flashrl` as a command (timeout runs commands, not shell functions)
+mkdir -p "$OUT/.bin"
+printf '#!/bin/sh\nexec python3 -c "import sys; from flashrl.cli import main; sys.exit(main())" "$@"\n' \
+  >"$OUT/.bin/flashrl"
+chmod +x "$OUT/.bin/flashrl"
+export PATH="$OUT/.bin:$PATH"
 
 section() {  # section NAME LIMIT_S COMMAND...: run one bounded section, log its status and time
   local name=$1 limit=$2; shift 2
@@ -40,15 +47,16 @@ env_report() {
 
 B7="--random-weights qwen2.5-7b --batch 64 --prompt-len 256 --device cuda"
 section env 30 env_report
-section tests 180 python3 -m pytest -m gpu tests -v -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
+section tests 180 python3 -m pytest -m gpu ${TESTS:-tests} -v -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
+section diag 60 python3 scripts/gpu_kv_graph_diag.py
 section requant 60 python3 benchmarks/bench_requant.py --device cuda --kernels triton,torch \
   --shapes 4096x4096,4096x14336,14336x4096 --out "$OUT/requant_cuda.json"
 section bench 130 flashrl bench $B7 --quant bf16,int8,fp8,fp8_channel --output-len 256 \
   --out "$OUT/bench_7b_b64.json"
 section train 60 flashrl train --preset tiny-cpu --run.device cuda --run.compare bf16,int8,fp8 \
   --run.steps 20 --run.output-dir "$OUT/train"
-section compile 150 flashrl bench $B7 --quant bf16,fp8 --output-len 256 --compile none,reduce-overhead \
+section compile 150 flashrl bench $B7 --quant ${COMPILE_QUANT:-bf16,fp8} --output-len 256 --compile ${COMPILE_MODES:-none,reduce-overhead} \
   --out "$OUT/bench_7b_b64_compile.json"
 find "$OUT/train" -name 'summary*' -exec cp -f {} "$OUT/" \; 2>/dev/null
-rm -rf "$OUT/train"
+rm -rf "$OUT/train" "$OUT/.bin"
 echo "=== done in ${SECONDS}s; files in $OUT"

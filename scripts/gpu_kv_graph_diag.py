@@ -17,9 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_engine_compile import decode_trace, engine, gpu_engines, random_ids, rel  # noqa: E402
-
-from flashrl.testing import save_tiny_model  # noqa: E402
+from flashrl.testing import save_tiny_model
+from test_engine_compile import decode_trace, engine, gpu_engines, random_ids, rel
 
 
 def main() -> None:
@@ -35,9 +34,7 @@ def main() -> None:
         )
         for kv, scale in (("bf16", None), ("fp8", 0.05), ("fp8", "dynamic")):
             extra = {} if scale is None else {"kv_scale": scale}
-            eager, graphs = gpu_engines(
-                path, [None, "reduce-overhead"], kv_cache_dtype=kv, **extra
-            )
+            eager, graphs = gpu_engines(path, [None, "reduce-overhead"], kv_cache_dtype=kv, **extra)
             e, g = decode_trace(eager, prompts, responses), decode_trace(graphs, prompts, responses)
             print(
                 f"kv={kv} scale={scale}: graph-vs-eager {rel(g, e):.4f}, eager-vs-fp32 "
