@@ -46,7 +46,8 @@ env_report() {
 }
 
 B7="--random-weights qwen2.5-7b --batch 64 --prompt-len 256 --device cuda"
-section env 30 env_report
+export -f env_report
+section env 30 bash -c env_report
 section tests 180 python3 -m pytest -m gpu ${TESTS:-tests} -v -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
 section diag 60 python3 scripts/gpu_kv_graph_diag.py
 section requant 60 python3 benchmarks/bench_requant.py --device cuda --kernels triton,torch \

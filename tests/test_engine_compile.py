@@ -469,23 +469,47 @@ def test_cuda_graph_generate_matches_eager_scoring(tiny_models, gen):
     assert counters["inductor"]["cudagraph_skips"] == 0
 
 
+def fp32_reference(path) -> Engine:
+    """The exact model on the GPU (fp32 weights, activations and KV) that eager and graph steps are
+    both measured against."""
+    return engine(path, device="cuda", max_batch=8, max_len=96, decode_buckets=True)
+
+
+def as_close_as_eager(graph: torch.Tensor, eager: torch.Tensor, exact: torch.Tensor) -> bool:
+    """The graph's logits are as close to the exact model's as the eager step's (10% + 0.005 slack).
+
+    Graph and eager steps round differently (inductor fuses the bf16 ops and the fp8 casts), so with
+    quantized weights or an fp8 KV cache they differ by a fraction of the quantization error itself,
+    not by a fixed bound: on an H100 (torch 2.11, sharp tiny model), graph vs eager was 0.018 (bf16
+    KV), 0.031 and 0.035 (fp8 KV), while each was 0.021, 0.091 and 0.080 from fp32, graph and eager
+    alike (scripts/gpu_kv_graph_diag.py). A stale graph would be far from the exact model."""
+    return rel(graph, exact) <= 1.1 * rel(eager, exact) + 5e-3
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
 def test_cuda_graph_sees_weight_updates_between_replays(scheme, tiny_models, gen):
+    """After an in-place weight update the replayed graph computes the new model: as close to the
+    new exact model as the eager step is, and much closer than its own output before the update."""
     path = tiny_models("qwen2", tie_word_embeddings=False)
     eager, graphs = gpu_engines(path, [None, "reduce-overhead"], quant=scheme)
+    exact = fp32_reference(path)
     prompts = [random_ids(n, gen) for n in (4, 12, 7)]
     responses = [random_ids(12, gen) for _ in prompts]
     before = decode_trace(graphs, prompts, responses)
-    assert rel(before, decode_trace(eager, prompts, responses)) < 2e-2
+    exact_before = decode_trace(exact, prompts, responses)
+    assert as_close_as_eager(before, decode_trace(eager, prompts, responses), exact_before)
     compiled = counters["stats"]["unique_graphs"]
     new = new_weights(eager, gen)
-    for e in (eager, graphs):
+    for e in (eager, graphs, exact):
         e.update_weights(new)
     after, ref = decode_trace(graphs, prompts, responses), decode_trace(eager, prompts, responses)
-    assert rel(after, ref) < 2e-2
-    assert rel(after, before) > 0.1, "the replayed graph still computes the old weights"
+    exact_after = decode_trace(exact, prompts, responses)
+    assert as_close_as_eager(after, ref, exact_after)
+    assert rel(after, exact_after) < 0.5 * rel(before, exact_after), (
+        "the replayed graph still computes the old weights"
+    )
     assert counters["stats"]["unique_graphs"] == compiled, "an in-place update must not recompile"
 
 
@@ -493,22 +517,23 @@ def test_cuda_graph_sees_weight_updates_between_replays(scheme, tiny_models, gen
 @cuda
 @pytest.mark.parametrize("kv_scale", [0.05, "dynamic"])
 def test_cuda_graph_sees_fp8_kv_scale_updates(kv_scale, tiny_models, gen):
+    """With an fp8 KV cache the replayed graph is as close to the exact model as the eager step, and
+    after a direct change of the KV scales it follows the eager step under the new scales."""
     path = tiny_models("qwen2", initializer_range=0.2)  # sharp: the KV rounding shows in the logits
     eager, graphs = gpu_engines(
         path, [None, "reduce-overhead"], kv_cache_dtype="fp8", kv_scale=kv_scale
     )
     prompts = [random_ids(n, gen) for n in (4, 12, 7)]
     responses = [random_ids(12, gen) for _ in prompts]
-    before = decode_trace(graphs, prompts, responses)
-    assert rel(before, decode_trace(eager, prompts, responses)) < 2e-2
-    if (
-        kv_scale == "dynamic"
-    ):  # per-token scales are written by the captured step itself: nothing to set
+    exact = decode_trace(fp32_reference(path), prompts, responses)
+    before, eager_before = (decode_trace(e, prompts, responses) for e in (graphs, eager))
+    assert as_close_as_eager(before, eager_before, exact)
+    if kv_scale == "dynamic":  # per-token scales are written by the captured step itself
         return
     for e in (eager, graphs):
         e.cache.set_scales(
             torch.tensor(0.5), torch.tensor(0.5)
         )  # coarse: visibly different rounding
     after, ref = decode_trace(graphs, prompts, responses), decode_trace(eager, prompts, responses)
-    assert rel(after, ref) < 2e-2
-    assert rel(after, before) > 1e-2, "the replayed graph still uses the old KV scales"
+    assert as_close_as_eager(after, ref, exact)
+    assert rel(after, ref) < rel(after, eager_before), "the replayed graph uses the old KV scales"

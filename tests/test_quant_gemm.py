@@ -111,6 +111,8 @@ def test_fp8_cpu_without_rowwise_scaled_mm(name, out_dtype, tol, monkeypatch, ge
     xq, sx = quantize_activation(x, scheme)
     ref = (xq.double() * sx.double()) @ (wq.double() * sw.double().reshape(-1, 1)).t()
     assert y.dtype == out_dtype and rel_err(y, ref) < tol and rel_err(y, kernel) < tol
+    if scheme.activation_granularity == "token":  # MoE experts' path: the same ops, same bits
+        assert torch.equal(gemm.prequantized_linear(xq, sx, wq, sw, scheme, out_dtype), y)
 
 
 def test_cpu_rowwise_probe_matches_this_torch():

@@ -172,12 +172,7 @@ def fp8_linear(
             xq, wq.t(), x_scale.reshape(()), w_scale.reshape(()), out_dtype=out_dtype
         )
     else:
-        scale_a = x_scale.reshape(-1, 1).expand(xq.shape[0], 1).contiguous()
-        scale_b = w_scale.reshape(1, -1).expand(1, wq.shape[0]).contiguous()
-        if x.is_cuda or cpu_has_rowwise_scaled_mm():
-            y = torch._scaled_mm(xq, wq.t(), scale_a, scale_b, out_dtype=out_dtype)
-        else:  # torch < 2.13 on CPU: the same exact products, summed by an fp32 matmul
-            y = (xq.float() @ wq.float().t()).mul_(scale_a).mul_(scale_b).to(out_dtype)
+        y = fp8_rowwise_mm(xq, x_scale, wq, w_scale, out_dtype)
     if bias is not None:
         y = y + bias.to(out_dtype)
     return y
@@ -256,6 +251,21 @@ def prequantized_linear(
     if scheme.code_dtype == torch.int8:
         acc = int8_mm(xq, wq)
         return acc.to(torch.float32).mul_(x_scale).mul_(w_scale.reshape(1, -1)).to(out_dtype)
+    return fp8_rowwise_mm(xq, x_scale, wq, w_scale, out_dtype)
+
+
+def fp8_rowwise_mm(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(xq @ wq^T) * s_x * s_w^T`` through `torch._scaled_mm` with rowwise scales ``[M,1] x [1,N]``
+    (a single scale is broadcast). On a CPU torch without rowwise scales (`cpu_has_rowwise_scaled_mm`)
+    an fp32 matmul of the codes: the same exact products in another summation order."""
     scale_a = x_scale.reshape(-1, 1).expand(xq.shape[0], 1).contiguous()
     scale_b = w_scale.reshape(1, -1).expand(1, wq.shape[0]).contiguous()
-    return torch._scaled_mm(xq, wq.t(), scale_a, scale_b, out_dtype=out_dtype)
+    if xq.is_cuda or cpu_has_rowwise_scaled_mm():
+        return torch._scaled_mm(xq, wq.t(), scale_a, scale_b, out_dtype=out_dtype)
+    return (xq.float() @ wq.float().t()).mul_(scale_a).mul_(scale_b).to(out_dtype)

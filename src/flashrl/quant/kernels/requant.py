@@ -65,7 +65,9 @@ def _max_combine(a, b):
 # copy keeps its own `_max_combine` under its own name: torch.compile (inductor) copies the source of
 # each ``@triton.jit`` global a user kernel calls under the name in its ``def``, so a global bound to
 # a function of another name is undefined in the compiled graph (NameError on an H100, torch 2.11).
-if __name__.endswith("_interpreted"):  # how `flashrl.quant.kernels._load` names the interpreted copy
+if __name__.endswith(
+    "_interpreted"
+):  # how `flashrl.quant.kernels._load` names the interpreted copy
     _max_combine = getattr(tl.standard, "_elementwise_max", _max_combine)
 
 
