@@ -46,3 +46,22 @@ def test_unknown_and_empty_names():
     assert "fp32" in str(info.value) and "fp16" in str(info.value)
     with pytest.raises(ConfigError, match="needs at least one scheme"):
         compare_variants(" , ")
+
+
+def test_stochastic_rounding_suffix():
+    """``-sr`` sets stochastic sync rounding, combines with ``-notis`` in either order under one
+    canonical name, and anything else after a scheme is refused, naming the allowed suffixes."""
+    variants = dict(compare_variants("bf16-sr,int8-notis-sr,fp32-sr"))
+    assert variants["bf16-sr"] == {
+        "rollout.quant": "bf16",
+        "run.rollout_dtype": "bf16",
+        "rollout.sync_rounding": "stochastic",
+    }
+    assert variants["int8-sr-notis"]["correction.weight"] == "none"
+    assert variants["int8-sr-notis"]["rollout.sync_rounding"] == "stochastic"
+    assert "rollout.sync_rounding" in variants["fp32-sr"]
+    with pytest.raises(ConfigError, match="twice"):
+        compare_variants("int8-sr-notis,INT8-notis-sr")
+    for bad in ("int8-xx", "int8-sr-sr"):
+        with pytest.raises(ConfigError, match="allowed after a scheme, once each: -sr, -notis"):
+            compare_variants(bad)

@@ -32,6 +32,7 @@ KV_SCALE_MODES = ("calibrated", "dynamic")
 KV_SCALE_GRANULARITIES = ("layer", "head", "token")
 """fp8 KV scales: one per layer, one per kv head (both static), or per token and head (dynamic)."""
 LOGPROB_MODES = ("processed", "raw")
+SYNC_ROUNDINGS = ("nearest", "stochastic")
 _YAML_SUFFIXES = (".yaml", ".yml")
 
 
@@ -126,12 +127,17 @@ class RolloutConfig:
     """FP8 KV scales: recalibrated after each weight update, computed per step, or a fixed float."""
     lm_head_fp32: bool = False
     logprobs_mode: str = "processed"
+    sync_rounding: str = "nearest"
+    """How synced weights are rounded to the rollout grid (bf16 values, int8 / fp8 codes):
+    ``nearest``, or ``stochastic`` (unbiased, so updates below half a grid step survive on
+    average; built-in engine only, not for MoE experts). See docs/real-model.md."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quant", scheme_name(self.quant))
         object.__setattr__(self, "skip", _check_skip(self.skip))
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("logprobs_mode", self.logprobs_mode, LOGPROB_MODES)
+        _check_choice("sync_rounding", self.sync_rounding, SYNC_ROUNDINGS)
         object.__setattr__(self, "kv_scale", _check_kv_scale(self.kv_scale))
         if not isinstance(self.lm_head_fp32, bool):
             raise ConfigError(f"lm_head_fp32 must be true or false, got {self.lm_head_fp32!r}")

@@ -94,6 +94,7 @@ class Engine:
         self.max_len, self.max_batch = opts.max_len, opts.max_batch
         self.max_prefill_tokens = opts.max_prefill_tokens
         self.progress, self.seed = engine.progress, engine.seed
+        self._sr = opts.sync_rounding_generator(self.model_config, self.seed)  # None: nearest
         self._load(engine.load_weights, engine.decode_compile, engine.decode_buckets)
 
     def _load(
@@ -110,7 +111,7 @@ class Engine:
             max_len=self.max_len,
             lm_head_fp32=self.config.lm_head_fp32,
         ).eval()
-        self.weights = WeightMap(self.model)
+        self.weights = WeightMap(self.model, sync_generator=self._sr)
         self.runner = ModelRunner(
             self.model,
             self.max_batch,

@@ -30,7 +30,7 @@ DEFAULT_MAX_LEN = 4096
 """`max_len` default, or the model's max_position_embeddings when smaller."""
 
 
-ROLLOUT_OVERRIDES = ("lm_head_fp32", "skip", "kv_cache_dtype", "kv_scale")
+ROLLOUT_OVERRIDES = ("lm_head_fp32", "skip", "kv_cache_dtype", "kv_scale", "sync_rounding")
 """`RolloutConfig` fields that `Engine(..., **overrides)` may set directly."""
 
 
@@ -150,6 +150,20 @@ class EngineOptions:
                 "(padded prompt tokens per prefill forward)"
             )
         return cls(config, granularity, device, dtype, max_len, max_batch, max_prefill_tokens)
+
+    def sync_rounding_generator(
+        self, model_config: ModelConfig, seed: int | None
+    ) -> torch.Generator | None:
+        """The generator of stochastic sync rounding (None: nearest), seeded from the engine seed
+        apart from the sampling seeds; refused for MoE models, whose experts round to nearest."""
+        if self.config.sync_rounding == "nearest":
+            return None
+        if model_config.moe is not None:
+            raise ConfigError(
+                f"sync_rounding={self.config.sync_rounding!r} is not supported for MoE models: "
+                "expert weights are re-quantized with nearest rounding; set sync_rounding: nearest"
+            )
+        return torch.Generator(device=self.device).manual_seed((seed or 0) + 1_000_003)
 
 
 def _check_max_len(max_len: int | None, model_config: ModelConfig, model_dir: Path) -> int:

@@ -45,6 +45,7 @@ from flashrl.model.moe_weights import Target, moe_names
 from flashrl.model.weight_changes import ChangeCounts
 from flashrl.quant.experts import QuantExperts
 from flashrl.quant.linear import QuantLinear
+from flashrl.quant.stochastic import round_to_dtype
 from flashrl.utils import synchronize
 
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -120,8 +121,10 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
 class WeightMap:
     """HF name -> engine target for one `Decoder`; validates names and shapes, applies tensors."""
 
-    def __init__(self, model: Decoder) -> None:
+    def __init__(self, model: Decoder, sync_generator: torch.Generator | None = None) -> None:
         self.model = model
+        self.sync_generator = sync_generator
+        """Stochastic rounding of the updates `write` applies (None: nearest); loads round to nearest."""
         self.modules = dict(model.named_modules())
         self.moe = moe_names(model.config)
         self.expected = self._expected_names()
@@ -250,11 +253,14 @@ class WeightMap:
         count_changed: bool = False,
         checked: bool = False,
         counts: ChangeCounts | None = None,
+        generator: torch.Generator | None = None,
     ) -> int:
         """Write one HF tensor into the decoder in place (validated first unless `checked`: the
         caller ran `check` on it); with `count_changed`, returns how many quantized codes changed
         (0 for layers kept in high precision). `counts`, when given, also counts the stored
-        elements that changed, quantized and high-precision apart."""
+        elements that changed, quantized and high-precision apart. With a `generator`, weights are
+        rounded stochastically to their stored grid (`flashrl.quant.stochastic`; biases and MoE
+        experts excepted, see `Engine`)."""
         changed = 0
         for target in self.resolve(name) if checked else self.check(name, tensor):
             module = self._module(target)
@@ -262,12 +268,14 @@ class WeightMap:
             count = (count_changed and quantized) or counts is not None
             if target.kind == "param":
                 old = module.weight.clone() if counts is not None else None
-                module.weight.copy_(tensor)
+                module.weight.copy_(round_to_dtype(tensor, module.weight.dtype, generator))
                 n = int((old != module.weight).sum()) if old is not None else 0
             elif target.kind in ("expert", "experts"):
                 n = module.requantize_(tensor, target.expert, target.shard, count)
             elif target.kind == "weight":
-                n = module.requantize_(tensor, shard=target.shard, count_changed=count)
+                n = module.requantize_(
+                    tensor, shard=target.shard, count_changed=count, generator=generator
+                )
             else:
                 module.set_bias_(tensor.to(module.bias.dtype), shard=target.shard)
                 continue
@@ -298,7 +306,12 @@ class WeightMap:
                 synchronize(device)
                 t1 = time.perf_counter()
                 changed += self.apply(
-                    name, on_device, count_changed=count_changed, checked=True, counts=counts
+                    name,
+                    on_device,
+                    count_changed=count_changed,
+                    checked=True,
+                    counts=counts,
+                    generator=self.sync_generator,
                 )
                 synchronize(device)
             except Exception as err:  # validated, so only the device can fail here

@@ -34,6 +34,7 @@ from flashrl.quant.primitives import (
     quantize_weight,
 )
 from flashrl.quant.schemes import QuantScheme, get_scheme
+from flashrl.quant.stochastic import round_to_dtype, stochastic_codes_
 
 
 class _ShardedLinear:
@@ -165,12 +166,18 @@ class QuantLinear(_ShardedLinear, nn.Module):
 
     @torch.no_grad()
     def requantize_(
-        self, weight: torch.Tensor, shard: int | None = None, count_changed: bool = False
+        self,
+        weight: torch.Tensor,
+        shard: int | None = None,
+        count_changed: bool = False,
+        generator: torch.Generator | None = None,
     ) -> int:
         """Re-quantize in place from a new high-precision weight (the full [N, K], or one shard's rows).
 
-        Scales are computed from `weight` only and overwrite the old ones. Returns the number of
-        codes that changed when `count_changed` is set (a per-sync diagnostic), else 0.
+        Scales are computed from `weight` only and overwrite the old ones. With a `generator` the
+        codes are then rounded stochastically (`flashrl.quant.stochastic`: unbiased, so updates
+        below half a code step survive on average). Returns the number of codes that changed when
+        `count_changed` is set (a per-sync diagnostic), else 0.
         """
         check_float_input(weight, "weight")
         shards = range(len(self.shard_sizes)) if shard is None else [shard]
@@ -183,6 +190,8 @@ class QuantLinear(_ShardedLinear, nn.Module):
         old = self.weight[rows[0] : rows[1]].clone() if count_changed else None
         if self.scheme.weight_granularity == "channel" and shard is None:
             quantize_weight(weight, self.scheme, out=self.weight, scale_out=self.weight_scale)
+            if generator is not None:
+                stochastic_codes_(self.weight, weight, self.weight_scale, self.scheme, generator)
         else:
             for i in shards:
                 start, end = self.shard_rows(i)
@@ -194,6 +203,9 @@ class QuantLinear(_ShardedLinear, nn.Module):
                     scale_out=self._shard_scale(i),
                     name=f"weight shard {i}" if len(self.shard_sizes) > 1 else "weight",
                 )
+                if generator is not None:
+                    codes, scale = self.weight[start:end], self._shard_scale(i)
+                    stochastic_codes_(codes, local, scale, self.scheme, generator)
                 if self.row_scale is not None:
                     self.row_scale[start:end].copy_(self.weight_scale[i].expand(end - start))
         if old is None:
@@ -265,9 +277,14 @@ class DenseLinear(_ShardedLinear, nn.Linear):
 
     @torch.no_grad()
     def requantize_(
-        self, weight: torch.Tensor, shard: int | None = None, count_changed: bool = False
+        self,
+        weight: torch.Tensor,
+        shard: int | None = None,
+        count_changed: bool = False,
+        generator: torch.Generator | None = None,
     ) -> int:
-        """Copy a new weight (full, or one shard's rows) in place, cast to the layer dtype."""
+        """Copy a new weight (full, or one shard's rows) in place, cast to the layer dtype (rounded
+        stochastically with a `generator`: `flashrl.quant.stochastic.round_to_dtype`)."""
         check_float_input(weight, "weight")
         start, end = (0, self.out_features) if shard is None else self.shard_rows(shard)
         if tuple(weight.shape) != (end - start, self.in_features):
@@ -277,7 +294,7 @@ class DenseLinear(_ShardedLinear, nn.Linear):
             )
         target = self.weight[start:end]
         old = target.clone() if count_changed else None
-        target.copy_(weight)
+        target.copy_(round_to_dtype(weight.to(target.device), target.dtype, generator))
         return int((old != target).sum()) if old is not None else 0
 
 

@@ -1,9 +1,10 @@
 """`run.compare`: several rollout precisions run one after another (parsed here).
 
 A variant is a weight scheme (`bf16`, `int8`, `fp8`, ...; `bf16` also sets the rollout dtype to
-bf16), optionally with ``-notis`` (no importance weight), or `fp32` / `fp16`: unquantized rollouts
-in that dtype (`fp32` is the trainer's own precision in an fp32 run: the reference a quantized run
-is compared with)."""
+bf16), or `fp32` / `fp16`: unquantized rollouts in that dtype (`fp32` is the trainer's own precision
+in an fp32 run: the reference a quantized run is compared with); optionally followed by ``-sr``
+(stochastic rounding at weight sync, ``rollout.sync_rounding: stochastic``) and ``-notis`` (no
+importance weight), e.g. ``bf16-sr``, ``int8-sr-notis``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ __all__ = ["UNQUANTIZED", "compare_variants"]
 
 UNQUANTIZED = ("fp32", "fp16")
 """Variant names for unquantized rollouts in a dtype other than bf16."""
+FLAGS = ("sr", "notis")
+"""Variant suffixes, in the order variant names spell them."""
 
 
 def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
@@ -27,8 +30,14 @@ def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
     for item in (s.strip() for s in spec.split(",")):
         if not item:
             continue
-        no_tis = item.lower().endswith("-notis")
-        scheme = item[: -len("-notis")] if no_tis else item
+        scheme, *flags = item.split("-")
+        unknown = sorted(set(f.lower() for f in flags) - set(FLAGS))
+        if unknown or len(set(flags)) != len(flags):
+            raise ConfigError(
+                f"run.compare={spec!r}: {item!r} has suffix(es) {unknown or flags}; allowed "
+                f"after a scheme, once each: {', '.join('-' + f for f in FLAGS)}"
+            )
+        no_tis, stochastic = "notis" in map(str.lower, flags), "sr" in map(str.lower, flags)
         overrides: dict[str, Any] = {}
         if scheme.lower() in UNQUANTIZED:
             name = scheme.lower()
@@ -44,7 +53,7 @@ def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
             overrides = {"rollout.quant": name}
             if name == "bf16":
                 overrides["run.rollout_dtype"] = "bf16"
-        key = name + ("-notis" if no_tis else "")
+        key = name + ("-sr" if stochastic else "") + ("-notis" if no_tis else "")
         if key in seen:
             raise ConfigError(
                 f"run.compare={spec!r} lists {key!r} twice ({seen[key]!r} and "
@@ -54,6 +63,8 @@ def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
         seen[key] = item
         if no_tis:
             overrides["correction.weight"] = "none"
+        if stochastic:
+            overrides["rollout.sync_rounding"] = "stochastic"
         out.append((key, overrides))
     if not out:
         raise ConfigError(

@@ -48,14 +48,20 @@ def engine_kwargs(scheme: str | RolloutConfig | None = None) -> dict[str, Any]:
       reload); with ``kv_scale: dynamic``, vLLM's ``fp8_per_token_head`` cache (scales per token and
       head at write time, no calibration), which vLLM 0.32 runs only in CUDA Triton attention.
 
-    Raises ValueError for settings the vLLM backend cannot honour (fp32 LM head; dynamic KV scales
-    without a CUDA device).
+    Raises ValueError for settings the vLLM backend cannot honour (fp32 LM head; stochastic sync
+    rounding; dynamic KV scales without a CUDA device).
     """
     config = rollout_config(scheme)
     if config.lm_head_fp32:
         raise ValueError(
             "lm_head_fp32=True is not supported by the vLLM backend (vLLM computes logits in the model "
             "dtype); use the built-in engine or set lm_head_fp32: false"
+        )
+    if config.sync_rounding != "nearest":
+        raise ValueError(
+            f"sync_rounding={config.sync_rounding!r} is not supported by the vLLM backend (vLLM "
+            "re-quantizes reloaded weights with its own nearest rounding); use the built-in engine "
+            "or set sync_rounding: nearest"
         )
     kwargs: dict[str, Any] = {
         "logprobs_mode": _LOGPROBS_MODES[config.logprobs_mode],
