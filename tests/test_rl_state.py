@@ -4,6 +4,7 @@ fail before any work (docs/reliability.md, "Training runs")."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -259,6 +260,47 @@ def test_damaged_latest_checkpoint_falls_back(policy_dir, tmp_path, caplog, dama
     trainer.train()
     assert checkpoints(out) == ["checkpoint-1", "checkpoint-2.damaged", "checkpoint-3"]
     Trainer(small_config(policy_dir, out, steps=3, resume=str(out / "checkpoint-3")))
+
+
+def _flip_data_bytes(path):
+    """Flip bytes in the middle of the tensor data: the safetensors header stays valid."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4] = bytes(b ^ 0xFF for b in data[middle : middle + 4])
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_are_found_by_the_manifest(policy_dir, tmp_path, caplog):
+    """Bytes flipped inside model.safetensors still parse (safe_open accepts the file), but their
+    SHA-256 differs from the checkpoint's manifest: resuming it is refused naming the file, and
+    `latest` falls back to the previous checkpoint."""
+    from safetensors import safe_open
+
+    out = tmp_path / "run"
+    train(policy_dir, out, steps=2, save_every=1)
+    manifest = json.loads((out / "checkpoint-2" / "manifest.json").read_text())
+    assert {"model.safetensors", "config.json", "trainer_state.pt"} <= set(manifest["files"])
+    weights = out / "checkpoint-2" / "model.safetensors"
+    _flip_data_bytes(weights)
+    with safe_open(weights, "pt"):  # still a valid file: only the checksum can tell
+        pass
+    with pytest.raises(CheckpointError, match=r"checkpoint-2/model.safetensors: SHA-256 differs"):
+        Trainer(small_config(policy_dir, out, steps=3, resume=str(out / "checkpoint-2")))
+    with caplog.at_level(logging.WARNING, logger="flashrl"):
+        trainer = Trainer(small_config(policy_dir, out, steps=3, resume="latest"))
+    assert trainer.step == 1 and (out / "checkpoint-2.damaged").is_dir()
+    assert "SHA-256 differs" in caplog.text
+
+
+def test_a_checkpoint_without_a_manifest_still_resumes(policy_dir, tmp_path, caplog):
+    """Checkpoints written before the manifest existed resume, checked structurally, and the log
+    says so."""
+    out = tmp_path / "run"
+    train(policy_dir, out, steps=1, save_every=1)
+    (out / "checkpoint-1" / "manifest.json").unlink()
+    with caplog.at_level(logging.INFO, logger="flashrl"):
+        trainer = Trainer(small_config(policy_dir, out, steps=2, resume="latest"))
+    assert trainer.step == 1 and "no manifest.json" in caplog.text
 
 
 def test_no_complete_checkpoint_names_every_damaged_one(policy_dir, tmp_path):

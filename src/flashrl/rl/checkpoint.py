@@ -12,6 +12,8 @@ Layout of `output_dir`: `metrics.jsonl` (one JSON object per step, appended), `c
   ``torch.load(weights_only=True)``: a planted pickle is refused, never run.
 - Metrics lines are appended with one write + fsync each, so a crash tears at most the last line;
   resume drops a torn last line (warning) and rewrites the file with temp file + fsync + rename.
+- `manifest.json`, written last into each checkpoint, records every file's size and SHA-256
+  (`flashrl.rl.manifest`): flipped bytes that leave a file parseable are still found on resume.
 - A damaged checkpoint is a `CheckpointError` naming the file; `--run.resume latest` falls back to
   the newest complete one and renames the damaged ones to `checkpoint-<step>.damaged`.
 """
@@ -32,6 +34,7 @@ import torch
 
 from flashrl.errors import CheckpointError, ConfigError
 from flashrl.fileio import atomic_write_text, fsync_dir, fsync_tree
+from flashrl.rl.manifest import check_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,7 @@ def write_checkpoint_dir(path: Path, write: Callable[[Path], None]) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     write(tmp)
+    write_manifest(tmp)  # last: the size and SHA-256 of every file, checked on resume
     fsync_tree(tmp)
     if path.exists():
         shutil.rmtree(aside, ignore_errors=True)
@@ -225,8 +229,8 @@ def load_state(path: Path) -> dict[str, Any]:
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:
     """Check that checkpoint `path` is complete (config.json parses, every safetensors file is
-    whole, the trainer state loads) and return its trainer state; CheckpointError naming the
-    damaged file."""
+    whole, every file matches its size and SHA-256 in `manifest.json`, the trainer state loads) and
+    return its trainer state; CheckpointError naming the damaged file."""
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist or is not a directory")
     config = path / "config.json"
@@ -246,6 +250,7 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
                 pass
         except Exception as err:
             raise CheckpointError(f"{file}: damaged safetensors file ({err})") from None
+    check_manifest(path)
     return load_state(path)
 
 
