@@ -303,6 +303,23 @@ def test_a_checkpoint_without_a_manifest_still_resumes(policy_dir, tmp_path, cap
     assert trainer.step == 1 and "no manifest.json" in caplog.text
 
 
+def test_config_json_of_another_model_is_refused(policy_dir, tmp_path, tiny_models):
+    """A checkpoint whose config.json was replaced by another model's (no manifest to catch it, as
+    in an older checkpoint) is refused before anything loads, naming the fields that disagree."""
+    out = tmp_path / "run"
+    train(policy_dir, out, steps=1, save_every=1)
+    checkpoint = out / "checkpoint-1"
+    (checkpoint / "manifest.json").unlink()
+    other = tiny_models("llama", hidden_size=32, num_hidden_layers=3)
+    (checkpoint / "config.json").write_text((other / "config.json").read_text())
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint-1/config.json: does not describe the weights beside it "
+        r"\(.*hidden_size 32 .*num_hidden_layers 3 .*another model \(llama\)",
+    ):
+        Trainer(small_config(policy_dir, out, steps=2, resume=str(checkpoint)))
+
+
 def test_no_complete_checkpoint_names_every_damaged_one(policy_dir, tmp_path):
     out = tmp_path / "run"
     train(policy_dir, out, steps=2, save_every=1)

@@ -235,7 +235,8 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist or is not a directory")
     config = path / "config.json"
     try:
-        if not isinstance(json.loads(config.read_bytes()), dict):
+        model_config = json.loads(config.read_bytes())
+        if not isinstance(model_config, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{config}: missing or damaged ({err})") from None
@@ -244,14 +245,38 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: no *.safetensors weights; not a flashrl checkpoint")
     from safetensors import safe_open
 
+    shapes: dict[str, list[int]] = {}
     for file in weights:
         try:
-            with safe_open(file, "pt"):  # reads the header and checks it covers the whole file
-                pass
+            with safe_open(file, "pt") as f:  # reads the header, checks it covers the whole file
+                shapes.update((k, f.get_slice(k).get_shape()) for k in f.keys())
         except Exception as err:
             raise CheckpointError(f"{file}: damaged safetensors file ({err})") from None
     check_manifest(path)
+    _check_config_fits_weights(config, model_config, shapes)
     return load_state(path)
+
+
+def _check_config_fits_weights(
+    config: Path, model_config: dict[str, Any], shapes: dict[str, list[int]]
+) -> None:
+    """config.json describes the weights beside it (embedding [vocab, hidden], layer count): a
+    config.json copied from another model is refused naming both, before anything loads."""
+    embed = shapes.get("model.embed_tokens.weight")
+    layers = {int(m.group(1)) for k in shapes if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+    said = [model_config.get(k) for k in ("vocab_size", "hidden_size", "num_hidden_layers")]
+    found = [*(embed or [None, None]), (max(layers) + 1) if layers else None]
+    wrong = [
+        f"{key} {a} (weights: {b})"
+        for key, a, b in zip(("vocab_size", "hidden_size", "num_hidden_layers"), said, found)
+        if b is not None and a != b
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"{config}: does not describe the weights beside it ({'; '.join(wrong)}): a "
+            f"config.json of another model ({model_config.get('model_type', '?')}); restore the "
+            "checkpoint's own config.json"
+        )
 
 
 def find_latest(output_dir: Path) -> tuple[Path, dict[str, Any], list[tuple[Path, str]]]:
