@@ -223,7 +223,7 @@ def test_metrics_lines_are_appended_in_one_write(policy_dir, tmp_path, monkeypat
         os, "write", lambda fd, data: calls.append(("write", bytes(data))) or real_write(fd, data)
     )
     monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync", None)) or real_fsync(fd))
-    from flashrl.rl.checkpoint import append_line
+    from flashrl.rl.durable import append_line
 
     path = tmp_path / "m.jsonl"
     append_line(path, '{"step": 0}')
@@ -361,19 +361,28 @@ def test_keep_last(policy_dir, tmp_path):
 
 
 def test_failed_checkpoint_write_keeps_the_previous_one(policy_dir, tmp_path, monkeypatch):
-    """A save that dies half-way (here: a full disk while writing trainer_state.pt) leaves only a
-    .tmp directory; keep_last deletes nothing, and the next resume cleans up and continues."""
+    """A save that dies half-way on a full disk (here: while writing trainer_state.pt) is one error
+    naming the checkpoint path, the space it needs and what is free; the partial write is removed,
+    keep_last deletes nothing, the previous checkpoint is byte for byte intact, and the next resume
+    continues."""
     out = tmp_path / "run"
     train(policy_dir, out, steps=1, keep_last=1)
+    before = {p.name: p.read_bytes() for p in (out / "checkpoint-1").iterdir()}
     real_save = torch.save
 
     def full_disk(obj, f, *args, **kwargs):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"saving .*run/checkpoint-2: no space left on the device after [\d.]+ MiB; a "
+        r"checkpoint needs about [\d.]+ MiB and [\d.]+ MiB are free; the partial write was "
+        r"removed; checkpoint-1 is intact",
+    ):
         train(policy_dir, out, steps=2, keep_last=1, resume="latest")
-    assert checkpoints(out) == [".checkpoint-2.tmp", "checkpoint-1"]
+    assert checkpoints(out) == ["checkpoint-1"]
+    assert {p.name: p.read_bytes() for p in (out / "checkpoint-1").iterdir()} == before
     monkeypatch.setattr(torch, "save", real_save)
     trainer = train(policy_dir, out, steps=2, keep_last=1, resume="latest")
     assert trainer.step == 2 and checkpoints(out) == ["checkpoint-2"]
@@ -438,3 +447,19 @@ def test_output_dir_that_is_a_file(policy_dir, tmp_path):
     with pytest.raises(ConfigError, match=f"output_dir.*{path}.*is a file"):
         run(small_config(policy_dir, path / "sub", compare="bf16"))
     assert path.read_text() == "not a directory"
+
+
+def test_full_disk_on_a_metrics_line_names_the_file(tmp_path, monkeypatch):
+    from flashrl.rl.durable import append_line
+
+    path = tmp_path / "metrics.jsonl"
+    append_line(path, '{"step": 0}')
+
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(CheckpointError, match=r"appending to .*metrics.jsonl: no space left"):
+        append_line(path, '{"step": 1}')
+    monkeypatch.undo()
+    assert path.read_text() == '{"step": 0}\n'

@@ -20,9 +20,9 @@ Layout of `output_dir`: `metrics.jsonl` (one JSON object per step, appended), `c
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
-import os
 import random
 import re
 import shutil
@@ -34,6 +34,7 @@ import torch
 
 from flashrl.errors import CheckpointError, ConfigError
 from flashrl.fileio import atomic_write_text, fsync_dir, fsync_tree
+from flashrl.rl.durable import disk_full_message, tree_bytes
 from flashrl.rl.manifest import check_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
@@ -46,21 +47,7 @@ _DAMAGED = re.compile(r"checkpoint-(\d+)\.damaged")
 _PARTIAL = re.compile(r"\.checkpoint-(\d+)\.(tmp|old)")
 
 
-# ------------------------------------------------------------------ durable writes
-
-
-def append_line(path: str | Path, line: str) -> None:
-    """Append `line` and a newline to `path` in one write, then fsync: a crash tears at most this
-    line."""
-    data = (line + "\n").encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-    try:
-        view = memoryview(data)
-        while view:  # one call unless the kernel accepts only part of it (a full disk)
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# ------------------------------------------------------------------ the checkpoint directory
 
 
 def write_checkpoint_dir(path: Path, write: Callable[[Path], None]) -> Path:
@@ -70,9 +57,18 @@ def write_checkpoint_dir(path: Path, write: Callable[[Path], None]) -> Path:
     tmp, aside = path.parent / f".{path.name}.tmp", path.parent / f".{path.name}.old"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write(tmp)
-    write_manifest(tmp)  # last: the size and SHA-256 of every file, checked on resume
-    fsync_tree(tmp)
+    try:
+        write(tmp)
+        write_manifest(tmp)  # last: the size and SHA-256 of every file, checked on resume
+        fsync_tree(tmp)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        written = tree_bytes(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = [p for _, p in list_checkpoints(path.parent) if p != path]
+        message = disk_full_message(path, written, previous[-1] if previous else None)
+        raise CheckpointError(message) from None
     if path.exists():
         shutil.rmtree(aside, ignore_errors=True)
         path.rename(aside)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from flashrl.rl.checkpoint import append_line
+from flashrl.rl.durable import append_line
 
 SAMPLES_FILE = "samples.jsonl"
 

@@ -54,6 +54,7 @@ from flashrl.rl.checkpoint import read_metrics  # noqa: F401 (public here too)
 from flashrl.rl.compare import rollout_name
 from flashrl.rl.config import TrainConfig
 from flashrl.rl.data import Example, prompt_source, render_prompt
+from flashrl.rl.durable import append_line
 from flashrl.rl.metrics import rollout_metrics
 from flashrl.rl.plan import plan_run
 from flashrl.rl.rewards import get_reward
@@ -352,7 +353,7 @@ class Trainer:
         while self.step < c.steps:
             metrics = self.train_step()
             history.append(metrics)
-            ckpt.append_line(self.metrics_path, json.dumps(metrics))
+            append_line(self.metrics_path, json.dumps(metrics))
             bar.update(1)
             bar.set_postfix(
                 reward=f"{metrics['reward/mean']:.3f}",
