@@ -157,6 +157,16 @@ def test_silently_accepted_values_are_refused(flag, value, parts, capsys, no_tra
     refused(capsys, [flag, value], *parts)
 
 
+def test_routing_replay_with_rollout_workers_names_both_settings(capsys, no_training, workdir):
+    """Was an internal `Trainer(backend=...)` message after the models had loaded."""
+    refused(
+        capsys,
+        ["--preset", "tiny-moe-cpu", "--algo.routing-replay", "true", "--run.rollout-workers", "1"],
+        "algo.routing_replay needs the built-in engine in the trainer's process",
+        "run.rollout_workers=1",
+    )
+
+
 # ------------------------------------------------------------------------------------------------
 # resume with metrics.jsonl deleted
 # ------------------------------------------------------------------------------------------------

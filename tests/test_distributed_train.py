@@ -4,6 +4,9 @@ loadable, async rollouts run one step stale and still learn."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import pytest
 import torch
 
@@ -126,3 +129,21 @@ def test_async_rollouts_run_one_step_stale_and_learn(tmp_path):
     rewards = [m["reward/mean"] for m in metrics]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.1, f"reward {first:.3f} -> {last:.3f}"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None, reason="vLLM is installed in this Python"
+)
+def test_a_worker_that_cannot_build_its_backend_says_why():
+    """A worker whose backend fails in its constructor (here: vLLM missing in the worker's Python,
+    the real check `make_backend` runs) is named with that cause, not only as a dead actor."""
+    from flashrl.distributed.pool import PoolConfig, RolloutWorkerError, WorkerPool
+    from flashrl.vllm_backend.install_check import require_vllm
+
+    factory = functools.partial(require_vllm, "run.backend=vllm")
+    with pytest.raises(
+        RolloutWorkerError,
+        match=r"rollout worker 0 died during 'start' \(its backend failed to start: "
+        r"UnsupportedError: run.backend=vllm needs vLLM, which is not installed",
+    ):
+        WorkerPool(factory, PoolConfig(workers=1, cpus=1, timeout_s=60))

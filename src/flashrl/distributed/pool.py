@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,21 @@ INSTALL_HINT = "rollout workers need Ray: pip install 'flashrl[ray]'"
 class RolloutWorkerError(FlashRLError, RuntimeError):
     """A rollout worker died, failed, or did not answer within the timeout (named in the
     message)."""
+
+
+def death_cause(err: BaseException) -> str:
+    """Why a Ray actor died, in one line: the exception its constructor raised when Ray's message
+    carries one (the last ``module.Error: message`` line, e.g. vLLM missing on that worker's
+    machine), else the error type."""
+    if getattr(err, "actor_init_failed", False):
+        for line in reversed(str(err).splitlines()):
+            found = re.match(r"^\s*([\w.]*(?:Error|Exception)): (.+)$", line)
+            if found:
+                return (
+                    f"its backend failed to start: {found.group(1).rsplit('.', 1)[-1]}: "
+                    + found.group(2)
+                )
+    return type(err).__name__
 
 
 def require_ray() -> Any:
@@ -131,7 +147,7 @@ class WorkerPool:
                 out.append(ray.get(f))
             except ray.exceptions.RayActorError as err:
                 raise RolloutWorkerError(
-                    f"rollout worker {i} died during '{what}' ({type(err).__name__}); the run "
+                    f"rollout worker {i} died during '{what}' ({death_cause(err)}); the run "
                     f"stops here"
                 ) from err
             except ray.exceptions.RayTaskError as err:

@@ -299,6 +299,12 @@ class TrainConfig:
                 "run.log_weight_changes needs the built-in engine in the trainer's process "
                 "(run.backend=builtin, run.rollout_workers=0)"
             )
+        if self.algo.routing_replay and (r.rollout_workers or r.backend != "builtin"):
+            raise ConfigError(
+                f"algo.routing_replay needs the built-in engine in the trainer's process "
+                f"(run.backend=builtin, run.rollout_workers=0); got run.backend={r.backend}, "
+                f"run.rollout_workers={r.rollout_workers}"
+            )
         if r.async_rollouts and r.rollout_workers < 1:
             raise ConfigError("run.async_rollouts needs run.rollout_workers >= 1")
         if r.worker_tp > 1 and r.backend != "vllm":
