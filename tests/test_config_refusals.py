@@ -395,3 +395,26 @@ def test_other_input_files_say_what_they_are(read, what, tmp_path):
     link.symlink_to(tmp_path / "gone.jsonl")
     with pytest.raises(FileNotFoundError, match="is a link to .*gone.jsonl.*which does not exist"):
         reader(link)
+
+
+@pytest.mark.parametrize(
+    "damage, parts",
+    [
+        ("zeros", ["tokenizer.json is not valid JSON"]),
+        ("dev-zero", ["tokenizer file", "tokenizer.json", "character device", "a regular file"]),
+    ],
+)
+def test_a_damaged_tokenizer_file_is_named(damage, parts, tmp_path, capsys, workdir):
+    """A tokenizer.json of NUL bytes was a JSONDecodeError traceback; one replaced by a link to
+    /dev/zero reported "prompt 0 is empty" after the models had loaded."""
+    model = save_tiny_model(tmp_path / "model", tokenizer=True, max_position_embeddings=64)
+    path = model / "tokenizer.json"
+    path.unlink()
+    if damage == "zeros":
+        path.write_bytes(bytes(4096))
+    else:
+        path.symlink_to("/dev/zero")
+    capsys.readouterr()
+    out = tmp_path / "run"
+    refused(capsys, ["--model", str(model), "--run.output-dir", str(out)], *parts)
+    assert not out.exists()

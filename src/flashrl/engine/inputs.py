@@ -8,6 +8,7 @@ what was wrong and what is allowed; a float token id is refused, never truncated
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from flashrl.core.sampling import SamplingParams, is_integer
 from flashrl.errors import CheckpointError, ConfigError, InputError, WeightError
+from flashrl.fileio import check_input_file
 from flashrl.model.config import TOKEN_IDS_ALLOWED, ModelConfig, read_json, token_ids
 from flashrl.model.remote_code import NO_REMOTE_CODE, check_no_custom_code
 
@@ -129,7 +131,14 @@ def check_params(params: SamplingParams | None, vocab_size: int, model_dir: Path
 
 
 def load_tokenizer(model_dir: Path) -> Any:
-    """The checkpoint's `transformers` tokenizer, or None when the directory has none."""
+    """The checkpoint's `transformers` tokenizer, or None when the directory has none. A tokenizer
+    file that is a device, a pipe or a directory (a link to /dev/zero, say) is a `CheckpointError`
+    naming it, as is one that is not valid JSON."""
+    for name in (*_TOKENIZER_FILES, *_TOKENIZER_JSON):
+        if os.path.lexists(model_dir / name):
+            check_input_file(
+                model_dir / name, "tokenizer file", "a regular file", error=CheckpointError
+            )
     if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer  # heavy: only when there is a tokenizer

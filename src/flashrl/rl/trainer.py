@@ -44,9 +44,10 @@ from flashrl.core.env import from_env
 from flashrl.core.rollout import Rollout, RolloutBackend
 from flashrl.core.sampling import SamplingParams
 from flashrl.correction import compute_correction
+from flashrl.engine.inputs import load_tokenizer
 from flashrl.errors import CheckpointError
 from flashrl.model.pretrained import load_causal_lm
-from flashrl.model.remote_code import NO_REMOTE_CODE, check_no_custom_code
+from flashrl.model.remote_code import check_no_custom_code
 from flashrl.rl import algo
 from flashrl.rl import checkpoint as ckpt
 from flashrl.rl.batch import Batch, response_logprobs
@@ -69,7 +70,6 @@ logger = logging.getLogger(__name__)
 
 class Trainer:
     def __init__(self, config: TrainConfig, backend: RolloutBackend | None = None) -> None:
-        import transformers
 
         self.config = config
         self.output_dir = ckpt.check_output_dir(config.run.output_dir)
@@ -88,9 +88,7 @@ class Trainer:
         resume_dir, state, damaged, discard = plan_run(config, self.output_dir)
         source_dir = resume_dir or self.model_dir
         check_no_custom_code(self.model_dir, source_dir)  # never run code from a model folder
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(
-            self.model_dir, **NO_REMOTE_CODE
-        )
+        self.tokenizer = load_tokenizer(self.model_dir)  # damaged files: one error naming them
         self._load_models(source_dir, from_checkpoint=resume_dir is not None)
         self.source = prompt_source(config.data, config.run.seed)
         self.reward_fn = get_reward(config.data.reward)
