@@ -463,3 +463,14 @@ def test_full_disk_on_a_metrics_line_names_the_file(tmp_path, monkeypatch):
         append_line(path, '{"step": 1}')
     monkeypatch.undo()
     assert path.read_text() == '{"step": 0}\n'
+
+
+def test_a_renamed_checkpoint_says_which_step_it_holds(policy_dir, tmp_path):
+    """Checkpoints are ordered by the step in their name: one renamed to look newer is refused,
+    naming both steps, and `latest` falls back to the true newest."""
+    out = tmp_path / "run"
+    train(policy_dir, out, steps=2, save_every=1)
+    (out / "checkpoint-1").rename(out / "checkpoint-7")
+    with pytest.raises(CheckpointError, match=r"checkpoint-7: named for step 7 but holds step 1"):
+        Trainer(small_config(policy_dir, out, steps=3, resume=str(out / "checkpoint-7")))
+    assert Trainer(small_config(policy_dir, out, steps=3, resume="latest")).step == 2

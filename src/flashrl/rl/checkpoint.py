@@ -250,7 +250,15 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"{file}: damaged safetensors file ({err})") from None
     check_manifest(path)
     _check_config_fits_weights(config, model_config, shapes)
-    return load_state(path)
+    state = load_state(path)
+    named = _CHECKPOINT.fullmatch(path.name)
+    if named and int(named.group(1)) != state["step"]:
+        raise CheckpointError(
+            f"{path}: named for step {named.group(1)} but holds step {state['step']} (renamed?); "
+            f"checkpoints are ordered by the step in their name: rename it to "
+            f"checkpoint-{state['step']}"
+        )
+    return state
 
 
 def _check_config_fits_weights(
