@@ -32,9 +32,10 @@ from flashrl.fileio import atomic_write_text
 from flashrl.model.remote_code import check_trust_remote_code
 from flashrl.rl.algo import ADVANTAGES
 from flashrl.rl.compare import compare_variants
-from flashrl.rl.config_checks import check_numbers
+from flashrl.rl.config_checks import check_numbers, check_policy_loss
 from flashrl.rl.data import DataConfig, prompt_source
 from flashrl.rl.legacy import LEGACY_NAMES
+from flashrl.rl.policy_loss import POLICY_LOSSES
 from flashrl.rl.rewards import REWARDS
 
 BACKENDS = ("builtin", "vllm")
@@ -81,6 +82,8 @@ class AlgoConfig:
     max_response_tokens: int = 16
     advantage: str = "grpo"
     norm_adv_by_std: bool = True
+    policy_loss: str = "ppo_clip"
+    """A name of `flashrl.rl.policy_loss.POLICY_LOSSES`: ppo_clip, gspo, reinforce."""
     loss_aggregation: str = "token_mean"
     clip_low: float = 0.2
     clip_high: float = 0.28
@@ -220,6 +223,7 @@ class TrainConfig:
             "algo.advantage": (a.advantage, ADVANTAGES),
             "data.reward": (d.reward, tuple(REWARDS)),
             "algo.loss_aggregation": (a.loss_aggregation, AGGREGATIONS),
+            "algo.policy_loss": (a.policy_loss, tuple(POLICY_LOSSES)),
             "run.trainer_dtype": (r.trainer_dtype, TRAINER_DTYPES),
             "run.rollout_dtype": (r.rollout_dtype, ROLLOUT_DTYPES),
         }
@@ -247,6 +251,7 @@ class TrainConfig:
         if self.data.path is None:  # the built-in task's operands and template, before any work
             prompt_source(self.data, r.seed)
         check_numbers(self)  # finite floats; lr, decay, penalties, save_every, workers, output_dir
+        check_policy_loss(a)
         if self.correction.mode == "bypass" and a.mini_batches > 1:
             raise ConfigError(
                 "correction.mode='bypass' takes the PPO ratio against the rollout "

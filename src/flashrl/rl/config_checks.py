@@ -66,6 +66,21 @@ def check_numbers(config: Any) -> None:
         )
 
 
+def check_policy_loss(a: Any) -> None:
+    """What a policy loss needs from the other algo fields: GSPO aggregates per sequence (as verl
+    forces) and has no dual clip."""
+    if a.policy_loss != "gspo":
+        return
+    if a.loss_aggregation != "seq_mean_token_mean":
+        raise ConfigError(
+            f"algo.policy_loss=gspo averages per sequence: set algo.loss_aggregation "
+            f"seq_mean_token_mean (got {a.loss_aggregation}); GSPO's clip range is also "
+            f"much narrower than PPO's (paper: algo.clip_low 0.0003, algo.clip_high 0.0004)"
+        )
+    if a.dual_clip is not None:
+        raise ConfigError(f"algo.dual_clip={a.dual_clip!r} does not apply to gspo; leave it unset")
+
+
 _RANGES = {
     "algo.lr": f" a number > 0 and <= {MAX_LR:g} (AdamW moves each weight by about lr per step)",
     "algo.weight_decay": " a number >= 0 (0: no weight decay)",

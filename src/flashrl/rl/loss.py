@@ -77,10 +77,10 @@ def ppo_clip_loss(
         ``(loss, stats)``: a scalar loss with grad, and floats over kept tokens (``pg_loss``,
         ``pg_clipfrac*``, ``ppo_kl``, ``ratio_*``, ``is_weight_mean``; defined in ``_stats``).
     """
-    _check_loss_options(
+    check_loss_options(
         clip_low, clip_high, dual_clip, aggregation, loss_scale_denominator, max_length
     )
-    x = _LossInputs.build(logprobs, old_logprobs, advantages, response_mask, is_weights)
+    x = LossInputs.build(logprobs, old_logprobs, advantages, response_mask, is_weights)
     ratio = torch.exp(log_ratio := (x.lp - x.lp_old).clamp(-log_ratio_clamp, log_ratio_clamp))
     unclipped = -x.adv * ratio
     clipped = -x.adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -98,7 +98,7 @@ def ppo_clip_loss(
 
 @torch.no_grad()
 def _stats(
-    x: _LossInputs,
+    x: LossInputs,
     log_ratio: torch.Tensor,
     losses: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     clip_low: float,
@@ -125,7 +125,7 @@ def _stats(
 
 
 @dataclass
-class _LossInputs:
+class LossInputs:
     """The loss inputs as fp32 with 0 on padding (the old logprobs, advantages and weights
     detached). Zeroing padding before any arithmetic keeps NaN there out of the loss and its
     gradient, and makes the per-token loss 0 on padding (A = 0) without a final mask."""
@@ -144,7 +144,7 @@ class _LossInputs:
         advantages: torch.Tensor,
         response_mask: torch.Tensor,
         is_weights: torch.Tensor | None,
-    ) -> _LossInputs:
+    ) -> LossInputs:
         named = {"logprobs": logprobs, "old_logprobs": old_logprobs, "response_mask": response_mask}
         if is_weights is not None:
             named["is_weights"] = is_weights
@@ -166,7 +166,7 @@ class _LossInputs:
         )
 
 
-def _check_loss_options(
+def check_loss_options(
     clip_low: float,
     clip_high: float,
     dual_clip: float | None,

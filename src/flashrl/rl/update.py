@@ -1,4 +1,5 @@
-"""The policy update of one RL step: PPO-clip over mini-batches of micro-batches, with the rollout
+"""The policy update of one RL step: the policy loss `algo.policy_loss` names (PPO-clip by default;
+`flashrl.rl.policy_loss`) over mini-batches of micro-batches, with the rollout
 correction's mask and importance weights, an optional k3 KL penalty to a reference policy, gradient
 clipping and one optimizer step per mini-batch (`ppo_update`)."""
 
@@ -9,11 +10,11 @@ from collections.abc import Callable
 
 import torch
 
-from flashrl.correction import ppo_clip_loss
 from flashrl.correction.compute import Correction
 from flashrl.rl import algo
 from flashrl.rl.batch import Batch
 from flashrl.rl.config import AlgoConfig
+from flashrl.rl.policy_loss import LossOptions, get_policy_loss
 
 LogprobsFn = Callable[[Batch], torch.Tensor]
 """The policy's logprobs of a (micro-)batch's response tokens, with gradients."""
@@ -71,20 +72,14 @@ def _micro_loss(
     c: AlgoConfig,
     denominator: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The PPO-clip loss (plus the KL penalty) of rows `sub`, scaled to the mini-batch."""
+    """The policy loss (plus the KL penalty) of rows `sub`, scaled to the mini-batch."""
     lp = logprobs(part)
-    loss, stats = ppo_clip_loss(
-        lp,
-        ratio_base[sub],
-        part.advantages,
-        corr.mask[sub],
-        corr.weights[sub],
-        clip_low=c.clip_low,
-        clip_high=c.clip_high,
-        dual_clip=c.dual_clip,
-        aggregation=c.loss_aggregation,
-        loss_scale_denominator=denominator,
-        max_length=c.max_response_tokens,
+    options = LossOptions(
+        c.clip_low, c.clip_high, c.dual_clip, c.loss_aggregation, denominator, c.max_response_tokens
+    )
+    policy_loss = get_policy_loss(c.policy_loss)
+    loss, stats = policy_loss(
+        lp, ratio_base[sub], part.advantages, corr.mask[sub], corr.weights[sub], options
     )
     if ref is not None:
         kl = algo.kl_penalty(lp, ref[sub], "k3")
