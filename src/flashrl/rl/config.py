@@ -31,6 +31,7 @@ from flashrl.errors import ConfigError
 from flashrl.fileio import atomic_write_text
 from flashrl.model.remote_code import check_trust_remote_code
 from flashrl.rl.algo import ADVANTAGES
+from flashrl.rl.backends import backend_names
 from flashrl.rl.compare import compare_variants
 from flashrl.rl.config_checks import check_numbers, check_policy_loss
 from flashrl.rl.data import DataConfig, prompt_source
@@ -38,7 +39,6 @@ from flashrl.rl.legacy import LEGACY_NAMES
 from flashrl.rl.policy_loss import POLICY_LOSSES
 from flashrl.rl.rewards import REWARDS
 
-BACKENDS = ("builtin", "vllm")
 ROLLOUT_DTYPES = ("bf16", "fp16", "fp32")
 TRAINER_DTYPES = ("fp32", "bf16")
 RESUME_FREE_FIELDS = (
@@ -219,7 +219,7 @@ class TrainConfig:
         """Raise a ConfigError naming the first invalid field (dotted) and what is allowed."""
         d, a, r = self.data, self.algo, self.run
         choices = {
-            "run.backend": (r.backend, BACKENDS),
+            "run.backend": (r.backend, backend_names()),
             "algo.advantage": (a.advantage, ADVANTAGES),
             "data.reward": (d.reward, tuple(REWARDS)),
             "algo.loss_aggregation": (a.loss_aggregation, AGGREGATIONS),

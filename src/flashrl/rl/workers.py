@@ -8,46 +8,21 @@ from pathlib import Path
 
 import torch
 
-from flashrl.core.device import resolve_dtype
 from flashrl.core.rollout import RolloutBackend
 from flashrl.distributed.rollouts import LocalRollouts, PoolRollouts
 from flashrl.errors import ConfigError
+from flashrl.rl.backends import BackendRequest, build_backend
 from flashrl.rl.config import TrainConfig
 
 
 def make_backend(config: TrainConfig, model_dir: Path, device: torch.device) -> RolloutBackend:
     """The rollout backend of `config` on the weights in `model_dir` (the same in the trainer's
-    process and in every rollout worker)."""
+    process and in every rollout worker), built by the factory `run.backend` names
+    (`flashrl.rl.backends`)."""
     a, r = config.algo, config.run
     max_len = a.max_prompt_tokens + a.max_response_tokens
-    max_batch = min(r.max_batch, a.batch_size)
-    if r.backend == "vllm":
-        from flashrl.vllm_backend.install_check import require_vllm
-
-        require_vllm("run.backend=vllm")  # one line with the install commands, not ImportError
-        from flashrl.vllm_backend import VLLMBackend
-
-        kwargs = {"max_model_len": max_len, "max_num_seqs": max_batch, **r.llm_kwargs()}
-        if r.worker_tp > 1:
-            kwargs.setdefault("tensor_parallel_size", r.worker_tp)
-        return VLLMBackend(
-            model_dir,
-            config.rollout,
-            dtype=resolve_dtype(r.rollout_dtype),
-            seed=r.seed,
-            **kwargs,
-        )
-    from flashrl.engine.engine import Engine
-
-    return Engine(
-        model_dir,
-        quant=config.rollout,
-        dtype=r.rollout_dtype,
-        device=device,
-        max_batch=max_batch,
-        max_len=max_len,
-        progress=False,
-    )
+    request = BackendRequest(config, model_dir, device, max_len, min(r.max_batch, a.batch_size))
+    return build_backend(request)
 
 
 def num_shards(config: TrainConfig) -> int:
