@@ -50,12 +50,45 @@ def stochastic_round_(
     rounded: torch.Tensor, target: torch.Tensor, generator: torch.Generator
 ) -> torch.Tensor:
     """Turn `rounded` (the nearest grid value of fp32 `target`, same shape) into a stochastic rounding
-    of `target`, in place: it moves to the neighbour on the other side of `target` with probability
-    ``|target - rounded| / |neighbour - rounded|``, so ``E[result] = target`` wherever `target` lies
-    between two finite grid values. Grids: int8 codes (clamped to +-127), bf16, fp16, float8_e4m3fn.
-    """
-    if rounded.dtype != torch.int8 and rounded.dtype not in FLOAT_GRIDS:
+    of `target`, in place: the grid value below or above `target`, the one above with probability
+    ``(target - below) / (above - below)``, so ``E[result] = target`` wherever `target` lies between
+    two finite grid values. Grids: int8 codes (clamped to +-127), bf16, fp16, float8_e4m3fn.
+
+    Fast paths (one pass or two over memory): int8 is ``floor(target + u)``; bf16 adds 16 random bits
+    below its mantissa to the fp32 bit pattern and truncates (the carry rounds up with exactly that
+    probability); e4m3 does the same with 20 bits where it is normal and ``floor`` on its uniform
+    2^-9 grid below 2^-5. fp16 takes the general path (`_general_`), the tests' reference."""
+    if rounded.dtype == torch.int8:
+        u = torch.rand(target.shape, generator=generator, device=target.device)
+        rounded.copy_(torch.floor(target.float() + u).clamp_(-127, 127))
+    elif rounded.dtype == torch.bfloat16:
+        rounded.copy_(_truncate_with_carry(target.float(), 16, generator))
+    elif rounded.dtype == torch.float8_e4m3fn:
+        y = target.float()
+        normal = _truncate_with_carry(y, 20, generator)
+        u = torch.rand(y.shape, generator=generator, device=y.device)
+        uniform = torch.floor(y * 512.0 + u).div_(512.0)  # exact: the grid step is 2^-9 there
+        rounded.copy_(torch.where(y.abs() < 2.0**-5, uniform, normal))
+    elif rounded.dtype in FLOAT_GRIDS:
+        _general_(rounded, target, generator)
+    else:
         raise TypeError(f"stochastic rounding to {rounded.dtype} is not supported")
+    return rounded
+
+
+def _truncate_with_carry(y: torch.Tensor, bits: int, generator: torch.Generator) -> torch.Tensor:
+    """fp32 `y` with its lowest `bits` mantissa bits cleared after adding a uniform random integer
+    below 2^bits: rounds the magnitude up with probability (dropped bits) / 2^bits (sign-magnitude,
+    so away from zero for negative values too). Finite inputs below the grid's largest value."""
+    noise = torch.randint(
+        0, 2**bits, y.shape, generator=generator, device=y.device, dtype=torch.int32
+    )
+    return ((y.view(torch.int32) + noise) & -(2**bits)).view(torch.float32)
+
+
+def _general_(rounded: torch.Tensor, target: torch.Tensor, generator: torch.Generator) -> None:
+    """Any float grid of `FLOAT_GRIDS`: the neighbour on the other side of `target` found on the bit
+    pattern, taken with probability |target - rounded| / |neighbour - rounded|."""
     near = rounded.to(torch.float32)
     gap = target.to(torch.float32) - near
     other = _other_neighbour(rounded, gap > 0)
@@ -64,9 +97,7 @@ def stochastic_round_(
         (gap != 0) & torch.isfinite(other) & (step != 0), gap / step, torch.zeros_like(gap)
     )
     draw = torch.rand(target.shape, generator=generator, device=target.device)
-    move = draw < probability
-    rounded.copy_(torch.where(move, other, near).to(rounded.dtype))
-    return rounded
+    rounded.copy_(torch.where(draw < probability, other, near).to(rounded.dtype))
 
 
 def round_to_dtype(
