@@ -86,6 +86,7 @@ SCHEME = {
     "output_error_median",
     "output_error_max",
     "flagged",
+    "skip_trials",
     "recommended_skip",
     "skip",
     "mismatch",
@@ -226,6 +227,9 @@ def test_outlier_layer_is_flagged_and_skipping_it_lowers_the_mismatch(profiled):
         int8["flagged"][0]["names"] == OUTLIER_NAMES
     )  # the whole fused layer: it runs as one GEMM
     assert int8["recommended_skip"] == OUTLIER_NAMES
+    trial = int8["skip_trials"][0]  # tried end to end: it lowered the KL, so it was kept
+    assert trial["names"] == OUTLIER_NAMES and trial["kept"]
+    assert trial["kl"] < int8["mismatch"]["exact"]["kl"]
     assert int8["skip"] == list(DEFAULT_SKIP) + OUTLIER_NAMES
     before, after = int8["mismatch"]["exact"], int8["mismatch_after_skip"]["exact"]
     assert after["kl"] < before["kl"] / 3, (before, after)
@@ -237,6 +241,7 @@ def test_outlier_layer_is_flagged_and_skipping_it_lowers_the_mismatch(profiled):
     fp8 = doc["schemes"]["fp8"]
     assert (
         fp8["flagged"] == []
+        and fp8["skip_trials"] == []
         and fp8["recommended_skip"] == []
         and fp8["mismatch_after_skip"] is None
     )
@@ -512,3 +517,30 @@ def test_lm_head_fp32_is_profiled_and_written(outlier_model, tmp_path):
     assert config.lm_head_fp32 is True and config.quant == "fp8_channel"
     assert doc["schemes"]["fp8_channel"]["memory"]["weight_bytes_bf16"] > 0
     assert torch.isfinite(torch.tensor(doc["schemes"]["fp8_channel"]["mismatch"]["exact"]["kl"]))
+
+
+def test_skip_selection_follows_the_end_to_end_kl_not_the_layer_error():
+    """A layer whose error is the largest but whose bf16 restoration raises the end-to-end KL is
+    not recommended (as q/k/v on SmolLM2-135M with int8); the others are kept one by one while
+    each lowers the KL, so the recommendation never raises it."""
+    from flashrl.tools.profile_select import select_skips
+
+    flagged = [
+        {"names": ["l0.q", "l0.k", "l0.v"], "output_error": 0.5},
+        {"names": ["l3.down"], "output_error": 0.3},
+        {"names": ["l5.v"], "output_error": 0.2},
+        {"names": ["l7.o"], "output_error": 0.15},
+    ]
+    effect = {"l0.q": +0.02, "l3.down": -0.01, "l5.v": -0.005, "l7.o": +0.001}
+    calls = []
+
+    def kl_of(names):
+        calls.append(list(names))
+        return 0.036 + sum(effect.get(n, 0.0) for n in names)
+
+    chosen, trace = select_skips(flagged, kl_of, base_kl=0.036, progress=False)
+    assert chosen == ["l3.down", "l5.v"]
+    assert [t["kept"] for t in trace] == [False, True, True, False]
+    assert calls[1] == ["l3.down"] and calls[3] == ["l3.down", "l5.v", "l7.o"]
+    assert kl_of(chosen) <= 0.036
+    assert select_skips(flagged, lambda names: 1.0, base_kl=0.5, progress=False)[0] == []

@@ -23,8 +23,11 @@ engine's own linear layers. Steps of `run_profile`:
    `flashrl.correction.mismatch_metrics` compares its logprobs with the bf16 engine's rescoring,
    i.e. the numbers `flashrl train` logs at step 0.
 4. Skip recommendation: layers whose output error exceeds `threshold` on any of their shards are
-   kept in bf16 (every shard of a fused layer, since it runs as one GEMM), the engine is rebuilt
-   with that skip list and step 3 is repeated. Memory: weight bytes before and after.
+   candidates (every shard of a fused layer together, since it runs as one GEMM); each is kept in
+   bf16 only if that lowers the exact end-to-end KL (`flashrl.tools.profile_select`: worst first,
+   on top of those already chosen), so the recommendation never raises the KL it was measured on.
+   The engine is rebuilt with the chosen skip list and step 3 is repeated. Memory: weight bytes
+   before and after.
 
 `DEFAULT_THRESHOLD` = 0.1 (10 % relative output error). Round-to-nearest alone gives about
 0.4-1.5 % for int8 W8A8 and 1.5-4 % for the fp8 schemes on layers without outliers (measured on
@@ -79,6 +82,7 @@ from flashrl.tools.profile_schema import (
     SchemeProfile,
     WeightMemory,
 )
+from flashrl.tools.profile_select import select_skips
 from flashrl.tools.verify_context import scheme_unsupported_reason
 from flashrl.utils import device_name
 
@@ -234,13 +238,20 @@ def _scheme_entry(
     logger.info("profile: %s end to end", scheme)
     errors = [entry["errors"][scheme]["output_error"] for entry in layers]
     flagged = recommend_skip(layers, scheme, cfg.threshold)
-    recommended = [name for f in flagged for name in f["names"]]
-    skip = list(DEFAULT_SKIP) + recommended
     engine = make_engine(cfg, scheme, DEFAULT_SKIP, cal.max_len, kv)
     weight_bytes = engine.weight_nbytes()
     mismatch = cal.mismatch(engine)
     engine = None
     _free()
+
+    def kl_of(names: list[str]) -> float:  # exact end-to-end KL with `names` kept in bf16
+        trial = make_engine(cfg, scheme, list(DEFAULT_SKIP) + names, cal.max_len, kv)
+        kl = distribution_mismatch(cal.reference, trial, cal.sequences, cfg.temperature)["kl"]
+        _free()
+        return kl
+
+    recommended, tried = select_skips(flagged, kl_of, mismatch["exact"]["kl"])
+    skip = list(DEFAULT_SKIP) + recommended
     after_skip, bytes_after_skip = None, weight_bytes
     if recommended:
         engine = make_engine(cfg, scheme, skip, cal.max_len, kv)
@@ -251,6 +262,7 @@ def _scheme_entry(
         output_error_median=float(torch.tensor(errors).median()),
         output_error_max=max(errors),
         flagged=flagged,
+        skip_trials=tried,
         recommended_skip=recommended,
         skip=skip,
         mismatch=mismatch,

@@ -73,6 +73,9 @@ class SchemeProfile:
     mismatch: Mismatch
     mismatch_after_skip: Mismatch | None
     memory: WeightMemory
+    skip_trials: list[dict[str, Any]] = field(default_factory=list)
+    """Every flagged layer tried, worst first: ``names``, ``output_error``, the exact end-to-end
+    ``kl`` with it kept in bf16 (on top of those kept before), ``kept`` (it lowered the KL)."""
 
 
 @dataclass
