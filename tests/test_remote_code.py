@@ -18,7 +18,7 @@ import pytest
 
 import flashrl
 from flashrl.engine import Engine
-from flashrl.errors import ConfigError
+from flashrl.errors import CheckpointError, ConfigError
 from flashrl.model.remote_code import check_no_custom_code
 from flashrl.rl.config_build import build_config
 from flashrl.rl.trainer import Trainer
@@ -244,9 +244,12 @@ def test_bench_random_weights_config_that_asks_for_code(tmp_path, capsys, flashr
     assert len(err.splitlines()) == 1 and not (tmp_path / "bench.json").exists()
 
 
-def test_resume_refuses_a_checkpoint_that_asks_for_code(tiny, tmp_path):
+@pytest.mark.parametrize("manifest", [True, False])
+def test_resume_refuses_a_checkpoint_that_asks_for_code(tiny, tmp_path, manifest):
     """A checkpoint of the run given an auto_map afterwards: the resume is refused, nothing runs
-    and the run directory is unchanged."""
+    and the run directory is unchanged. With its manifest the edited config.json is found as
+    damage first; without one (an older checkpoint, or an attacker who removed it) the auto_map
+    check refuses it."""
     from flashrl.rl.legacy import LEGACY_NAMES
 
     def config(**extra):
@@ -269,8 +272,15 @@ def test_resume_refuses_a_checkpoint_that_asks_for_code(tiny, tmp_path):
     (checkpoint / "modeling_evil.py").write_text(
         (tmp_path / "evil" / "modeling_evil.py").read_text()
     )
+    if not manifest:
+        (checkpoint / "manifest.json").unlink()
     before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
-    with pytest.raises(ConfigError, match=f"{checkpoint / 'config.json'}: auto_map entry"):
+    error, message = (
+        (CheckpointError, f"{checkpoint / 'config.json'}: .* manifest.json recorded")
+        if manifest
+        else (ConfigError, f"{checkpoint / 'config.json'}: auto_map entry")
+    )
+    with pytest.raises(error, match=message):
         Trainer(config(steps=2, resume="latest"))
     assert not marker.exists()
     assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
