@@ -17,7 +17,8 @@ each length L is then measured on the first L response tokens of the same sample
 - ``tokens_per_s``: decode throughput of that generation (noisy on a shared machine).
 
 Rows are written to the JSON after each (scheme, KV) pair and pairs already there are skipped, so
-an interrupted run continues; a figure of KL against length per scheme goes next to it.
+an interrupted run continues; a figure of k3 KL against length per scheme goes next to it (k3: the
+k1 mean can be negative on a finite sample).
 """
 
 from __future__ import annotations
@@ -84,9 +85,9 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for key in sorted({(r["scheme"], r["kv"]) for r in rows}):
-        pts = sorted((r["length"], r["kl"]) for r in rows if (r["scheme"], r["kv"]) == key)
+        pts = sorted((r["length"], r["k3_kl"]) for r in rows if (r["scheme"], r["kv"]) == key)
         ax.plot(*zip(*pts), marker="o", label=f"{key[0]} / KV {key[1]}")
-    ax.set(xscale="log", yscale="log", xlabel="response tokens", ylabel="sampled KL to fp32")
+    ax.set(xscale="log", yscale="log", xlabel="response tokens", ylabel="sampled k3 KL to fp32")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
