@@ -124,7 +124,8 @@ class WeightMap:
     def __init__(self, model: Decoder, sync_generator: torch.Generator | None = None) -> None:
         self.model = model
         self.sync_generator = sync_generator
-        """Stochastic rounding of the updates `write` applies (None: nearest); loads round to nearest."""
+        """Stochastic rounding of everything stored, loads included (None: nearest): a resumed run
+        loads the trainer's fp32 weights, and nearest rounding of those is the lag again."""
         self.modules = dict(model.named_modules())
         self.moe = moe_names(model.config)
         self.expected = self._expected_names()
@@ -364,7 +365,7 @@ class WeightMap:
             if IGNORED.match(name):
                 continue
             try:
-                self.apply(name, tensor)
+                self.apply(name, tensor, generator=self.sync_generator)
             except WeightError as err:
                 raise WeightError(f"{file}: {err}" if file is not None else str(err)) from None
             seen.add(name)
