@@ -269,7 +269,9 @@ class WeightMap:
             count = (count_changed and quantized) or counts is not None
             if target.kind == "param":
                 old = module.weight.clone() if counts is not None else None
-                module.weight.copy_(round_to_dtype(tensor, module.weight.dtype, generator))
+                if generator is not None:  # else copy_ rounds to nearest as it casts, no temporary
+                    tensor = round_to_dtype(tensor, module.weight.dtype, generator)
+                module.weight.copy_(tensor)
                 n = int((old != module.weight).sum()) if old is not None else 0
             elif target.kind in ("expert", "experts"):
                 n = module.requantize_(tensor, target.expert, target.shard, count)

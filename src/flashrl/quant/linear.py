@@ -294,7 +294,9 @@ class DenseLinear(_ShardedLinear, nn.Linear):
             )
         target = self.weight[start:end]
         old = target.clone() if count_changed else None
-        target.copy_(round_to_dtype(weight.to(target.device), target.dtype, generator))
+        if generator is not None:  # else copy_ rounds to nearest as it casts, no temporary
+            weight = round_to_dtype(weight.to(target.device), target.dtype, generator)
+        target.copy_(weight)
         return int((old != target).sum()) if old is not None else 0
 
 
