@@ -2,6 +2,11 @@
 
     python benchmarks/mismatch.py                       # SmolLM2-135M, 5 schemes x {bf16, fp8} KV, 64 and 256 tokens
     python benchmarks/mismatch.py --quant int8 --kv bf16 --lengths 64,256,1024 --prompts 8 --threads 1
+    python benchmarks/mismatch.py --quant int8,int8+sq0.5,int8_g64 --kv bf16 --out results/mismatch_levers.json
+
+A variant is a scheme name, optionally with ``+sqA``: online smoothing with exponent A
+(``rollout.smooth``), calibrated by a short generate on other prompts (the next `--prompts`
+calibration prompts) before the measured one, as a training run calibrates on the previous step.
 
 The reference is the trainer's precision: an fp32 engine on the same checkpoint (bf16 values, held
 exactly). Each (scheme, KV dtype) engine generates once, temperature 1, EOS ignored, up to the
@@ -117,8 +122,12 @@ def main() -> None:
         for kv in args.kv.split(","):
             if any(r["scheme"] == scheme and r["kv"] == kv for r in done):
                 continue
-            config = RolloutConfig(quant=scheme, kv_cache_dtype=kv)
+            name, _, sq = scheme.partition("+sq")
+            config = RolloutConfig(quant=name, kv_cache_dtype=kv, smooth=float(sq) if sq else None)
             engine = Engine(model_dir, config, dtype="bf16", max_len=max_len, progress=False)
+            if config.smooth is not None:
+                other = prompts_for(reference, 2 * args.prompts)[args.prompts :]
+                engine.generate(other, SamplingParams(max_tokens=16, seed=args.seed + 1))
             for row in measure(engine, reference, prompts, lengths, args.seed):
                 done.append({"scheme": scheme, "kv": kv, **row})
             payload = {

@@ -16,7 +16,7 @@ from flashrl.core.env import ENV_VARS, configure_logging, from_env, parse_bool
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.quant.schemes import SCHEMES
 
-ALLOWED_SCHEMES = "allowed: bf16, int8, fp8, fp8_channel, fp8_block or a path to a .yaml file"
+ALLOWED_SCHEMES = "allowed: bf16, int8, fp8, fp8_channel, fp8_block, int8_g128, int8_g64 or a path to a .yaml file"
 
 
 @pytest.fixture(autouse=True)
@@ -414,3 +414,13 @@ def test_cli_reports_bad_variables(flashrl_logger, monkeypatch, capsys, tmp_path
         "FLASHRL_LOGGING_LEVEL='loud' is invalid; allowed: DEBUG, INFO, WARNING, ERROR, CRITICAL"
         in err
     )
+
+
+@pytest.mark.parametrize("scheme", ["int8_g128", "int8_g64"])
+def test_vllm_backend_refuses_group_int8(scheme):
+    """The per-group int8 schemes run in the built-in engine only: the vLLM backend says so by name
+    instead of failing on a missing quantization method."""
+    from flashrl.vllm_backend.config import engine_kwargs
+
+    with pytest.raises(ValueError, match=f"quant='{scheme}' is not supported by the vLLM backend"):
+        engine_kwargs(RolloutConfig(quant=scheme))

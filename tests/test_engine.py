@@ -230,7 +230,7 @@ def test_response_capped_by_max_len(tiny_models, gen):
 
 # ---------------------------------------------------------------------------------------- weight sync
 
-SCHEMES = ["bf16", "int8", "fp8", "fp8_channel", "fp8_block"]
+SCHEMES = ["bf16", "int8", "fp8", "fp8_channel", "fp8_block", "int8_g128", "int8_g64"]
 
 
 def perturbed_state(path, gen, scale=0.05):

@@ -23,7 +23,7 @@ from flashrl.quant.experts import DenseExperts, QuantExperts, make_experts
 from flashrl.quant.linear import QuantLinear, make_linear
 from flashrl.testing import MOE_FAMILIES
 
-SCHEMES = ["bf16", "int8", "fp8", "fp8_channel", "fp8_block"]
+SCHEMES = ["bf16", "int8", "fp8", "fp8_channel", "fp8_block", "int8_g128", "int8_g64"]
 QUANT_SCHEMES = SCHEMES[1:]
 
 

@@ -161,8 +161,45 @@ def test_fp8_block_against_groupwise_fp64_formula(m, k, n, gen):
     assert rel_err(ref, y_deq) < 1e-12
 
 
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("m,k,n", SHAPES + [(4, 576, 192)])
+def test_int8_group_against_groupwise_fp64_formula(m, k, n, group, gen):
+    """int8_g*: Y[m,n] = sum_g s_x[m,g] (Xq_g . Wq_g) s_w[n], written as an explicit loop over groups
+    in float64 (576 columns: a partial last group of 128)."""
+    scheme = get_scheme(f"int8_g{group}")
+    x = torch.randn(m, k, generator=gen)
+    x[:, 3] *= 40  # an outlier channel: groups keep it out of the other groups' scales
+    w = torch.randn(n, k, generator=gen) * 0.05
+    wq, sw = quantize_weight(w, scheme)
+    assert torch.equal(wq, quantize_weight(w, get_scheme("int8"))[0])  # int8's weights
+    xq, sx = quantize_activation(x, scheme)
+    assert sx.shape == (m, -(-k // group))
+    ref = torch.zeros(m, n, dtype=torch.float64)
+    for g in range(sx.shape[1]):
+        cols = slice(g * group, (g + 1) * group)
+        dot = xq[:, cols].double() @ wq[:, cols].double().t()
+        ref += dot * sx[:, g : g + 1].double() * sw.double().reshape(1, -1)
+    bias = torch.randn(n, generator=gen)
+    y = scaled_linear(x, wq, sw, scheme, bias, torch.float32)
+    assert rel_err(y, ref + bias.double()) < 1e-6
+    per_token = scaled_linear(x, wq, sw, get_scheme("int8"), None, torch.float32)
+    exact = x.double() @ w.double().t()
+    if k > group:  # the point of groups (one group is per-token int8 itself)
+        assert rel_err(y - bias, exact) < rel_err(per_token, exact)
+    else:
+        assert rel_err(y - bias, per_token) < 1e-6
+
+
 @pytest.mark.parametrize(
-    "name,tol", [("int8", 0.03), ("fp8", 0.1), ("fp8_channel", 0.1), ("fp8_block", 0.1)]
+    "name,tol",
+    [
+        ("int8", 0.03),
+        ("fp8", 0.1),
+        ("fp8_channel", 0.1),
+        ("fp8_block", 0.1),
+        ("int8_g128", 0.03),
+        ("int8_g64", 0.03),
+    ],
 )
 def test_end_to_end_error_vs_unquantized(name, tol, gen):
     """Against the float64 product of the unquantized tensors (the quantization error itself)."""

@@ -12,7 +12,7 @@ from flashrl.quant import QuantLinear, quantize_
 from flashrl.quant.linear import matches_any
 from flashrl.testing import save_tiny_model
 
-QUANT = ["int8", "fp8", "fp8_channel", "fp8_block"]
+QUANT = ["int8", "fp8", "fp8_channel", "fp8_block", "int8_g128", "int8_g64"]
 
 
 def buffers_of(layer: QuantLinear) -> dict[str, torch.Tensor]:
@@ -131,7 +131,8 @@ def test_skip_patterns():
 # Relative Frobenius error of the logits against the fp32 model on a tiny random model
 # (hidden 256, 2 layers). Measured: bf16 model 0.008; int8 0.021; fp8 0.062-0.075;
 # fp8_channel 0.065-0.071; fp8_block 0.068-0.071. Bounds are about 1.7x the measured values.
-LOGIT_TOLERANCE = {"bf16": 0.015, "int8": 0.04, "fp8": 0.12, "fp8_channel": 0.12, "fp8_block": 0.12}
+LOGIT_TOLERANCE = {"bf16": 0.015, "int8": 0.04, "fp8": 0.12, "fp8_channel": 0.12, "fp8_block": 0.12,
+                   "int8_g128": 0.04, "int8_g64": 0.04}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])

@@ -205,7 +205,15 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_scheme_lookup():
-    assert set(SCHEMES) == {"bf16", "int8", "fp8", "fp8_channel", "fp8_block"}
+    assert set(SCHEMES) == {
+        "bf16",
+        "int8",
+        "fp8",
+        "fp8_channel",
+        "fp8_block",
+        "int8_g128",
+        "int8_g64",
+    }
     assert get_scheme(" INT8 ").name == "int8"
     with pytest.raises(ValueError, match="allowed: bf16, int8, fp8, fp8_channel, fp8_block"):
         get_scheme("int4")

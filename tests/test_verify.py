@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import flashrl.tools.verify as verify
+from flashrl.quant.schemes import SCHEMES
 from flashrl.tools.cli import main
 from flashrl.tools.verify import FAIL, PASS, SKIP, exit_code, run_verify, scheme_unsupported_reason
 from flashrl.tools.verify_checks import processed_logprobs_fp64
@@ -30,7 +31,7 @@ def test_verify_passes_on_cpu(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["passed"] is True and doc["device"] == "cpu"
     results = {(r["check"], r["scheme"]): r for r in doc["results"]}
-    schemes = ["bf16", "int8", "fp8", "fp8_channel", "fp8_block"]
+    schemes = list(SCHEMES)
     expected = {("gemm", s) for s in schemes[1:]} | {
         (c, s) for c in ("reload", "logprobs", "kv_cache") for s in schemes
     }

@@ -21,7 +21,7 @@ import yaml
 from flashrl.errors import ConfigError
 from flashrl.fileio import atomic_write_text, check_input_file
 
-SCHEME_NAMES = ("bf16", "int8", "fp8", "fp8_channel", "fp8_block")
+SCHEME_NAMES = ("bf16", "int8", "fp8", "fp8_channel", "fp8_block", "int8_g128", "int8_g64")
 """The weight schemes of `flashrl.quant.SCHEMES`, by name."""
 DEFAULT_SKIP: tuple[str, ...] = ("lm_head", "*.mlp.gate")
 """Kept in high precision by default: the LM head (logprob accuracy) and MoE routers. Embeddings and
@@ -114,6 +114,18 @@ def scheme_name(scheme: Any) -> str:
     return name.strip().lower()
 
 
+def _check_smooth(smooth: Any, quant: str) -> None:
+    if smooth is None:
+        return
+    if isinstance(smooth, bool) or not isinstance(smooth, int | float) or not 0 < smooth <= 1:
+        raise ConfigError(f"smooth={smooth!r} is invalid; allowed: a number in (0, 1], or null")
+    if quant == "bf16":
+        raise ConfigError(
+            "smooth needs a quantized scheme (quant='bf16' quantizes no activations); "
+            "set quant to int8, fp8, ... or drop smooth"
+        )
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """How the rollout policy is quantized and how logprobs are returned."""
@@ -131,6 +143,9 @@ class RolloutConfig:
     """How synced weights are rounded to the rollout grid (bf16 values, int8 / fp8 codes):
     ``nearest``, or ``stochastic`` (unbiased, so updates below half a grid step survive on
     average; built-in engine only, not for MoE experts). See docs/real-model.md."""
+    smooth: float | None = None
+    """Online SmoothQuant exponent a in (0, 1], factors recomputed at every weight sync
+    (`flashrl.quant.smoothing`); None: off. Built-in engine only, not for MoE models."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quant", scheme_name(self.quant))
@@ -139,6 +154,7 @@ class RolloutConfig:
         _check_choice("logprobs_mode", self.logprobs_mode, LOGPROB_MODES)
         _check_choice("sync_rounding", self.sync_rounding, SYNC_ROUNDINGS)
         object.__setattr__(self, "kv_scale", _check_kv_scale(self.kv_scale))
+        _check_smooth(self.smooth, self.quant)
         if not isinstance(self.lm_head_fp32, bool):
             raise ConfigError(f"lm_head_fp32 must be true or false, got {self.lm_head_fp32!r}")
 

@@ -38,6 +38,7 @@ from flashrl.model.config import ModelConfig
 from flashrl.model.decoder import Decoder
 from flashrl.model.kv_calibration import KVScales
 from flashrl.model.kv_scales import KVScaleState
+from flashrl.model.smoothing import SmoothingState
 from flashrl.model.weight_changes import ChangeCounts
 from flashrl.model.weights import WeightMap
 from flashrl.quant.linear import model_nbytes
@@ -62,11 +63,9 @@ class Engine:
         (a scheme name, a YAML path or a `RolloutConfig`; default: FLASHRL_CONFIG, else bf16), run as
         `engine_config` says (`EngineConfig`: device, dtype, KV-cache size, compilation).
 
-        Keyword `overrides` are shorthand: an `EngineConfig` field (``max_batch=8``) or one of the
-        `RolloutConfig` fields ``lm_head_fp32``, ``skip``, ``kv_cache_dtype`` (``bf16`` | ``fp8``)
-        and ``kv_scale`` (``calibrated`` | ``dynamic`` | a positive float); ``quant=`` is
-        `rollout_config` under its older name. Anything else is a `ConfigError`.
-        """
+        Keyword `overrides` are shorthand: an `EngineConfig` field (``max_batch=8``) or a
+        `RolloutConfig` field of `ROLLOUT_OVERRIDES`; ``quant=`` is `rollout_config` under its
+        older name. Anything else is a `ConfigError`."""
         if "quant" in overrides:
             if rollout_config is not None:
                 raise ConfigError("give rollout_config or quant, not both (quant is its old name)")
@@ -95,6 +94,7 @@ class Engine:
         self.max_prefill_tokens = opts.max_prefill_tokens
         self.progress, self.seed = engine.progress, engine.seed
         self._sr = opts.sync_rounding_generator(self.model_config, self.seed)  # None: nearest
+        self.smoothing = SmoothingState(opts.smooth_alpha(self.model_config))
         self._load(engine.load_weights, engine.decode_compile, engine.decode_buckets)
 
     def _load(
@@ -111,6 +111,7 @@ class Engine:
             max_len=self.max_len,
             lm_head_fp32=self.config.lm_head_fp32,
         ).eval()
+        self.smoothing.enable(self.model)
         self.weights = WeightMap(self.model, sync_generator=self._sr)
         self.runner = ModelRunner(
             self.model,
@@ -125,6 +126,7 @@ class Engine:
         self.decode = self.runner.decode
         if load_weights:
             self.weights.load_checkpoint(self.model_dir)
+            self.smoothing.pending = self.smoothing.enabled
         self.tokenizer = inputs.load_tokenizer(self.model_dir)
         self.eos_token_ids = inputs.eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
         self._observers: list[SampleObserver] = []
@@ -173,6 +175,7 @@ class Engine:
             self.weights.check(name, tensor)
         start = time.perf_counter()
         counts = ChangeCounts() if count_changed else None
+        self.smoothing.refresh(self.weights, items)  # factors first: then every shard's codes
         transfer, requant, _ = self.weights.write(items, self.device, counts=counts)
         self.kv.weights_changed()
         kv_calibration = self.calibrate_kv() if self.kv.stale and len(self.kv.recent) else 0.0
@@ -213,8 +216,9 @@ class Engine:
         return self.kv.record(scales, time.perf_counter() - start)
 
     def _refresh_kv(self, prompts: list[list[int]]) -> None:
-        """Calibrate stale fp8 KV scales before a forward that uses them: on the most recent
-        sequences, or on `prompts` when none were generated yet."""
+        """Before a forward: the first smoothing calibration (on `prompts`), then stale fp8 KV scales
+        (on the most recent sequences, or on `prompts` when none were generated yet)."""
+        self.smoothing.calibrate_if_pending(self.model, self.weights, prompts, self.model_dir, self.device)  # fmt: skip
         if self.kv.stale:
             self.calibrate_kv(self.kv.recent.sequences() or prompts)
 
@@ -358,10 +362,9 @@ class Engine:
         responses: Sequence[Sequence[int]],
         temperature: float = 1.0,
     ) -> dict[str, float]:
-        """How far this engine's KV cache (e.g. fp8) moves the sampling distribution, against an
-        unquantized cache on the same weights, teacher-forced on the given sequences (e.g. the
-        engine's own rollouts): ``kl``, ``kl_max``, ``k3_kl``, ``logprob_abs_diff_max``,
-        ``logit_abs_diff_max``, ``tokens`` (`flashrl.engine.scoring.kv_cache_mismatch`)."""
+        """How far this engine's KV cache (e.g. fp8) moves the sampling distribution against an
+        unquantized cache on the same weights, teacher-forced on the given sequences
+        (`flashrl.engine.scoring.kv_cache_mismatch`: ``kl``, ``k3_kl``, maxima, ``tokens``)."""
         if not temperature > 0:
             raise InputError(f"temperature={temperature!r} must be > 0")
         pairs = self._pairs(prompts, responses)
@@ -380,11 +383,8 @@ class Engine:
         return self.runner.kv_bytes_per_token()
 
     def stats(self) -> dict[str, float]:
-        """Every key of `flashrl.core.rollout.BACKEND_STATS`, and: ``load_s``, prefill and decode
-        counters and seconds, ``decode_tokens_per_s``, memory, ``decode_shapes`` (distinct decode
-        shapes run: buckets when bucketed), the KV-scale state (`KVScaleState.stats`), the
-        cache's (`KVCache.stats`: scales, clipped values), ``kv_bytes_per_token`` and
-        ``kv_capacity_tokens``."""
+        """`flashrl.core.rollout.BACKEND_STATS`, plus ``load_s``, prefill / decode counters and
+        seconds, memory, ``decode_shapes``, `KVScaleState.stats` and `KVCache.stats` (docs/engine.md)."""
         s = dict(self._stats.values)
         s.update(self.kv.stats())
         s["tokens_per_s"] = s["generated_tokens"] / s["generate_s"] if s["generate_s"] else 0.0

@@ -30,7 +30,9 @@ DEFAULT_MAX_LEN = 4096
 """`max_len` default, or the model's max_position_embeddings when smaller."""
 
 
-ROLLOUT_OVERRIDES = ("lm_head_fp32", "skip", "kv_cache_dtype", "kv_scale", "sync_rounding")
+ROLLOUT_OVERRIDES = (
+    "lm_head_fp32", "skip", "kv_cache_dtype", "kv_scale", "sync_rounding", "smooth"
+)  # fmt: skip
 """`RolloutConfig` fields that `Engine(..., **overrides)` may set directly."""
 
 
@@ -164,6 +166,16 @@ class EngineOptions:
                 "expert weights are re-quantized with nearest rounding; set sync_rounding: nearest"
             )
         return torch.Generator(device=self.device).manual_seed((seed or 0) + 1_000_003)
+
+    def smooth_alpha(self, model_config: ModelConfig) -> float | None:
+        """The online smoothing exponent (None: off); refused for MoE models, whose experts are
+        not smoothed."""
+        if self.config.smooth is not None and model_config.moe is not None:
+            raise ConfigError(
+                f"smooth={self.config.smooth!r} is not supported for MoE models (experts are "
+                "not smoothed); drop smooth"
+            )
+        return self.config.smooth
 
 
 def _check_max_len(max_len: int | None, model_config: ModelConfig, model_dir: Path) -> int:

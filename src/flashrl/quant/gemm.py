@@ -6,6 +6,7 @@
 | `fp8`         | `torch._scaled_mm`, tensorwise       | inside the op; bias added after in out dtype  |
 | `fp8_channel` | `torch._scaled_mm`, rowwise          | inside the op; bias added after in out dtype  |
 | `fp8_block`   | reference path: dequantize per 128x128 block / 1x128 group, fp32 matmul |  |
+| `int8_g128/64`| dequantized 1xg activation groups times the int8 weight codes, fp32 matmul | ``* s_w^T (+ bias)``, then cast |
 
 `torch._int_mm` and `torch._scaled_mm` (tensorwise and rowwise) run on the CPU build of torch 2.13,
 so the fast paths are what the CPU tests exercise. CUDA shape rules (numerics.md section 5):
@@ -47,7 +48,7 @@ INT_MM_MIN_ROWS_CUDA = 17
 EXACT_FP32_CHUNK = 1024
 """Columns of K per fp32 matmul in the CPU int8 path: 1024 * 128 * 128 = 2^24, the largest integer
 range fp32 holds exactly (codes are in [-128, 127])."""
-_warned_block_reference = False
+_warned_reference: set[str] = set()
 _cpu_rowwise: bool | None = None
 
 
@@ -141,10 +142,17 @@ def int8_linear(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """W8A8 int8: per-token dynamic int8 activations, per-channel weights [N,1], exact int32 accumulation."""
+    """W8A8 int8: dynamic int8 activations, per-channel weights [N,1]. Per-token activation scales
+    take the exact int32 accumulation; per-group scales (`int8_g*`) are applied to the activation
+    codes first (``Y = sum_g s_x[m,g] (Xq_g . Wq_g) s_w[n]``, summed in fp32 in another order)."""
     xq, x_scale = quantize_activation(x, scheme)
-    acc = int8_mm(xq, wq)
-    y = acc.to(torch.float32).mul_(x_scale).mul_(w_scale.reshape(1, -1))
+    if scheme.activation_granularity == "group":
+        _warn_reference_once(x, scheme)
+        x_deq = dequantize_per_group(xq, x_scale, scheme.group_size)
+        y = torch.mm(x_deq, wq.to(torch.float32).t()).mul_(w_scale.reshape(1, -1))
+    else:
+        acc = int8_mm(xq, wq)
+        y = acc.to(torch.float32).mul_(x_scale).mul_(w_scale.reshape(1, -1))
     if bias is not None:
         y.add_(bias.to(torch.float32))
     return y.to(out_dtype or x.dtype)
@@ -193,12 +201,7 @@ def fp8_block_linear(
     same products in a different order. `shard_sizes` describes a fused weight whose row shards each
     have their own block grid (stacked along the scale's first dim).
     """
-    global _warned_block_reference
-    if x.is_cuda and not _warned_block_reference:
-        logger.warning(
-            "fp8_block runs the reference (dequantize + matmul) path on CUDA: correct but not fast"
-        )
-        _warned_block_reference = True
+    _warn_reference_once(x, scheme)
     xq, x_scale = quantize_activation(x, scheme)
     x_deq = dequantize_per_group(xq, x_scale, scheme.group_size)
     w_deq = dequantize_per_block_shards(wq, w_scale, scheme.block_size, shard_sizes)
@@ -206,6 +209,16 @@ def fp8_block_linear(
     if bias is not None:
         y.add_(bias.to(torch.float32))
     return y.to(out_dtype or x.dtype)
+
+
+def _warn_reference_once(x: torch.Tensor, scheme: QuantScheme) -> None:
+    """Say once per scheme that a CUDA GEMM runs the reference (dequantize + matmul) path."""
+    if x.is_cuda and scheme.name not in _warned_reference:
+        logger.warning(
+            "%s runs the reference (dequantize + matmul) path on CUDA: correct but not fast",
+            scheme.name,
+        )
+        _warned_reference.add(scheme.name)
 
 
 def scaled_linear(

@@ -34,6 +34,7 @@ from flashrl.quant.primitives import (
     quantize_weight,
 )
 from flashrl.quant.schemes import QuantScheme, get_scheme
+from flashrl.quant.smoothing import observe_and_scale
 from flashrl.quant.stochastic import round_to_dtype, stochastic_codes_
 
 
@@ -117,6 +118,7 @@ class QuantLinear(_ShardedLinear, nn.Module):
             self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
         else:
             self.bias = None
+        self.register_buffer("smooth", None)  # SmoothQuant factors: `flashrl.quant.smoothing`
 
     # ---------------------------------------------------------------- construction
 
@@ -187,6 +189,8 @@ class QuantLinear(_ShardedLinear, nn.Module):
             what = "weight" if shard is None else f"shard {shard} weight"
             raise InputError(f"{what} has shape {tuple(weight.shape)}; expected {expected}")
         weight = weight.to(self.weight.device)
+        if self.smooth is not None:  # codes of W * s (fp32, as the quantizer computes anyway)
+            weight = weight.float() * self.smooth
         old = self.weight[rows[0] : rows[1]].clone() if count_changed else None
         if self.scheme.weight_granularity == "channel" and shard is None:
             quantize_weight(weight, self.scheme, out=self.weight, scale_out=self.weight_scale)
@@ -217,18 +221,21 @@ class QuantLinear(_ShardedLinear, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.row_scale if self.row_scale is not None else self.weight_scale
+        xs = x if self.smooth is None else observe_and_scale(self, x)
         return scaled_linear(
-            x, self.weight, scale, self.scheme, self.bias, x.dtype, self.shard_sizes
+            xs, self.weight, scale, self.scheme, self.bias, x.dtype, self.shard_sizes
         )
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight the layer effectively multiplies by: codes times scales."""
+        """The weight the layer effectively multiplies by: codes times scales (over s, smoothed)."""
         if self.scheme.weight_granularity == "block":
-            return dequantize_per_block_shards(
+            w = dequantize_per_block_shards(
                 self.weight, self.weight_scale, self.scheme.block_size, self.shard_sizes, dtype
             )
-        scale = self.row_scale[:, None] if self.row_scale is not None else self.weight_scale
-        return dequantize_per_row(self.weight, scale, dtype)
+        else:
+            scale = self.row_scale[:, None] if self.row_scale is not None else self.weight_scale
+            w = dequantize_per_row(self.weight, scale, dtype)
+        return w if self.smooth is None else (w.float() / self.smooth).to(dtype)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())

@@ -12,6 +12,14 @@ section 3. One convention everywhere: a scale is the dequantization multiplier, 
 | `fp8`         | float8_e4m3fn     | per tensor              | per tensor                     |
 | `fp8_channel` | float8_e4m3fn     | per output channel [N,1]| per token [M,1]                |
 | `fp8_block`   | float8_e4m3fn     | per 128x128 block       | per 1x128 group                |
+| `int8_g128`   | int8, [-127, 127] | per output channel [N,1]| per 1x128 group                |
+| `int8_g64`    | int8, [-127, 127] | per output channel [N,1]| per 1x64 group                 |
+
+The `int8_g*` schemes keep int8's weights and give each token one activation scale per group of
+columns instead of one per row: on SmolLM2-135M the activations cause most of int8's mismatch (int8
+weights alone: KL 0.005; per-token activations: 0.066; groups of 64: 0.011; benchmarks/RESULTS.md).
+Their GEMM multiplies the dequantized activation groups by the weight codes in fp32 (no integer
+kernel takes per-group scales), so on a GPU they are a reference path, not a fast one.
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ class QuantScheme:
     weight_granularity: WeightGranularity | None = None
     activation_granularity: ActivationGranularity | None = None
     block_size: tuple[int, int] = (128, 128)
-    """Weight block [rows, cols] for `block` granularity; the activation group is block_size[1]."""
+    """Weight block [rows, cols] for `block` granularity; the activation group is block_size[1]
+    (for per-channel weights with `group` activations only block_size[1] means anything)."""
 
     @property
     def is_quantized(self) -> bool:
@@ -69,6 +78,8 @@ SCHEMES: dict[str, QuantScheme] = {
         QuantScheme("fp8", torch.float8_e4m3fn, "tensor", "tensor"),
         QuantScheme("fp8_channel", torch.float8_e4m3fn, "channel", "token"),
         QuantScheme("fp8_block", torch.float8_e4m3fn, "block", "group"),
+        QuantScheme("int8_g128", torch.int8, "channel", "group", (1, 128)),
+        QuantScheme("int8_g64", torch.int8, "channel", "group", (1, 64)),
     )
 }
 

@@ -33,7 +33,7 @@ from flashrl.model.remote_code import check_trust_remote_code
 from flashrl.rl.algo import ADVANTAGES
 from flashrl.rl.backends import backend_names
 from flashrl.rl.compare import compare_variants
-from flashrl.rl.config_checks import check_numbers, check_policy_loss
+from flashrl.rl.config_checks import check_numbers, check_payload, check_policy_loss
 from flashrl.rl.data import DataConfig, prompt_source
 from flashrl.rl.legacy import LEGACY_NAMES
 from flashrl.rl.policy_loss import POLICY_LOSSES
@@ -63,9 +63,8 @@ RESUME_FREE_FIELDS = (
     *(f"run.{name}" for name in ("worker_tp", "worker_threads", "weight_payload", "bucket_mb")),
     "run.worker_timeout",
 )
-"""Fields a resumed run may change freely: the length of the run, the learning rate, where outputs
-go and how the work is laid out on the machine. Every other field changes what the run computes
-and must match the checkpoint's config unless named in ``run.resume_allow_changes``."""
+"""Fields a resumed run may change freely (length, learning rate, outputs, machine layout); every
+other field must match the checkpoint's config unless named in ``run.resume_allow_changes``."""
 
 
 @dataclass
@@ -294,6 +293,7 @@ class TrainConfig:
                 raise ConfigError(f"run.{name}={value!r} must be an integer >= 0")
         if r.weight_payload not in ("stream", "codes"):
             raise ConfigError(f"run.weight_payload={r.weight_payload!r}; allowed: stream, codes")
+        check_payload(r.weight_payload, self.rollout)
         if r.bucket_mb < 1 or r.worker_timeout <= 0 or r.worker_threads < 1 or r.worker_tp < 1:
             raise ConfigError(
                 "run.bucket_mb, run.worker_threads and run.worker_tp must be >= 1 and "

@@ -12,6 +12,7 @@ import math
 from dataclasses import fields
 from typing import Any
 
+from flashrl.core.config import RolloutConfig
 from flashrl.errors import ConfigError
 
 MAX_LR = 1.0
@@ -97,3 +98,16 @@ _RANGES = {
 def _integer_at_least_0(name: str, value: Any, zero: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"{name}={value!r} is invalid; allowed: an integer >= 0 ({zero})")
+
+
+def check_payload(weight_payload: str, rollout: RolloutConfig) -> None:
+    """Refuse a payload of trainer-made codes with rollout settings only the workers' own
+    quantization honours (smoothing, stochastic sync rounding)."""
+    if weight_payload != "stream" and (
+        rollout.smooth is not None or rollout.sync_rounding != "nearest"
+    ):
+        raise ConfigError(
+            f"run.weight_payload={weight_payload} sends codes the trainer rounds to nearest "
+            "without smoothing; rollout.smooth and rollout.sync_rounding=stochastic need "
+            "run.weight_payload=stream (the workers quantize)"
+        )

@@ -30,6 +30,32 @@ def rollout_config(scheme: str | RolloutConfig | None = None) -> RolloutConfig:
     return resolve_config(scheme, source="scheme")
 
 
+def refuse_builtin_only(config: RolloutConfig) -> None:
+    """A ValueError naming a rollout setting only the built-in engine honours."""
+    if config.lm_head_fp32:
+        raise ValueError(
+            "lm_head_fp32=True is not supported by the vLLM backend (vLLM computes logits in the model "
+            "dtype); use the built-in engine or set lm_head_fp32: false"
+        )
+    if config.quant != "bf16" and config.quant not in METHOD_NAMES:
+        raise ValueError(
+            f"quant={config.quant!r} is not supported by the vLLM backend (its per-group int8 "
+            f"activations have no vLLM kernel); use the built-in engine, or one of: bf16, "
+            f"{', '.join(METHOD_NAMES)}"
+        )
+    if config.smooth is not None:
+        raise ValueError(
+            f"smooth={config.smooth!r} is not supported by the vLLM backend yet (online smoothing "
+            "runs in the built-in engine); use the built-in engine or drop smooth"
+        )
+    if config.sync_rounding != "nearest":
+        raise ValueError(
+            f"sync_rounding={config.sync_rounding!r} is not supported by the vLLM backend (vLLM "
+            "re-quantizes reloaded weights with its own nearest rounding); use the built-in engine "
+            "or set sync_rounding: nearest"
+        )
+
+
 def engine_kwargs(scheme: str | RolloutConfig | None = None) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` that run rollouts with `scheme`:
 
@@ -48,21 +74,11 @@ def engine_kwargs(scheme: str | RolloutConfig | None = None) -> dict[str, Any]:
       reload); with ``kv_scale: dynamic``, vLLM's ``fp8_per_token_head`` cache (scales per token and
       head at write time, no calibration), which vLLM 0.32 runs only in CUDA Triton attention.
 
-    Raises ValueError for settings the vLLM backend cannot honour (fp32 LM head; stochastic sync
-    rounding; dynamic KV scales without a CUDA device).
+    Raises ValueError for settings the vLLM backend cannot honour (the `int8_g*` schemes; online
+    smoothing; fp32 LM head; stochastic sync rounding; dynamic KV scales without a CUDA device).
     """
     config = rollout_config(scheme)
-    if config.lm_head_fp32:
-        raise ValueError(
-            "lm_head_fp32=True is not supported by the vLLM backend (vLLM computes logits in the model "
-            "dtype); use the built-in engine or set lm_head_fp32: false"
-        )
-    if config.sync_rounding != "nearest":
-        raise ValueError(
-            f"sync_rounding={config.sync_rounding!r} is not supported by the vLLM backend (vLLM "
-            "re-quantizes reloaded weights with its own nearest rounding); use the built-in engine "
-            "or set sync_rounding: nearest"
-        )
+    refuse_builtin_only(config)
     kwargs: dict[str, Any] = {
         "logprobs_mode": _LOGPROBS_MODES[config.logprobs_mode],
         "weight_transfer_config": {"backend": TRANSFER_BACKEND},
