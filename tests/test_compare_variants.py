@@ -63,5 +63,17 @@ def test_stochastic_rounding_suffix():
     with pytest.raises(ConfigError, match="twice"):
         compare_variants("int8-sr-notis,INT8-notis-sr")
     for bad in ("int8-xx", "int8-sr-sr"):
-        with pytest.raises(ConfigError, match="allowed after a scheme, once each: -sr, -notis"):
+        with pytest.raises(
+            ConfigError, match="allowed after a scheme, once each: -sq, -sr, -notis"
+        ):
             compare_variants(bad)
+
+
+def test_smoothing_suffix():
+    """``-sq`` turns on online smoothing (exponent 0.5) under one canonical name in any order."""
+    variants = dict(compare_variants("int8_g64-notis-sq"))
+    assert variants["int8_g64-sq-notis"] == {
+        "rollout.quant": "int8_g64",
+        "correction.weight": "none",
+        "rollout.smooth": 0.5,
+    }

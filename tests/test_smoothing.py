@@ -197,3 +197,11 @@ def test_train_config_refuses_trainer_made_codes_with_worker_only_rounding(rollo
         ConfigError, match="run.weight_payload=codes sends codes the trainer rounds"
     ):
         build_config("tiny-cpu", None, {**flags, "run.weight_payload": "codes"})
+
+
+def test_train_config_refuses_smoothing_on_ray_workers():
+    from flashrl.rl.config_build import build_config
+
+    flags = {"rollout.quant": "int8", "rollout.smooth": "0.5", "run.rollout_workers": "2"}
+    with pytest.raises(ConfigError, match="rollout.smooth=0.5 runs in the trainer's own engine"):
+        build_config("tiny-cpu", None, flags)

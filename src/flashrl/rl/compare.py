@@ -2,9 +2,10 @@
 
 A variant is a weight scheme (`bf16`, `int8`, `fp8`, ...; `bf16` also sets the rollout dtype to
 bf16), or `fp32` / `fp16`: unquantized rollouts in that dtype (`fp32` is the trainer's own precision
-in an fp32 run: the reference a quantized run is compared with); optionally followed by ``-sr``
-(stochastic rounding at weight sync, ``rollout.sync_rounding: stochastic``) and ``-notis`` (no
-importance weight), e.g. ``bf16-sr``, ``int8-sr-notis``."""
+in an fp32 run: the reference a quantized run is compared with); optionally followed by ``-sq``
+(online smoothing, ``rollout.smooth: 0.5``), ``-sr`` (stochastic rounding at weight sync,
+``rollout.sync_rounding: stochastic``) and ``-notis`` (no importance weight), e.g. ``bf16-sr``,
+``int8-sq``, ``int8-sr-notis``."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ __all__ = ["UNQUANTIZED", "compare_variants"]
 
 UNQUANTIZED = ("fp32", "fp16")
 """Variant names for unquantized rollouts in a dtype other than bf16."""
-FLAGS = ("sr", "notis")
+FLAGS = ("sq", "sr", "notis")
+SMOOTH_VARIANT_ALPHA = 0.5
+"""The smoothing exponent of a ``-sq`` variant (the best of benchmarks/mismatch_levers_sim.py)."""
 """Variant suffixes, in the order variant names spell them."""
 
 
@@ -37,7 +40,8 @@ def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
                 f"run.compare={spec!r}: {item!r} has suffix(es) {unknown or flags}; allowed "
                 f"after a scheme, once each: {', '.join('-' + f for f in FLAGS)}"
             )
-        no_tis, stochastic = "notis" in map(str.lower, flags), "sr" in map(str.lower, flags)
+        lowered = [f.lower() for f in flags]
+        no_tis, stochastic, smooth = "notis" in lowered, "sr" in lowered, "sq" in lowered
         overrides: dict[str, Any] = {}
         if scheme.lower() in UNQUANTIZED:
             name = scheme.lower()
@@ -53,7 +57,7 @@ def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
             overrides = {"rollout.quant": name}
             if name == "bf16":
                 overrides["run.rollout_dtype"] = "bf16"
-        key = name + ("-sr" if stochastic else "") + ("-notis" if no_tis else "")
+        key = name + "".join(f"-{f}" for f, on in zip(FLAGS, (smooth, stochastic, no_tis)) if on)
         if key in seen:
             raise ConfigError(
                 f"run.compare={spec!r} lists {key!r} twice ({seen[key]!r} and "
@@ -65,6 +69,8 @@ def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
             overrides["correction.weight"] = "none"
         if stochastic:
             overrides["rollout.sync_rounding"] = "stochastic"
+        if smooth:
+            overrides["rollout.smooth"] = SMOOTH_VARIANT_ALPHA
         out.append((key, overrides))
     if not out:
         raise ConfigError(

@@ -293,7 +293,7 @@ class TrainConfig:
                 raise ConfigError(f"run.{name}={value!r} must be an integer >= 0")
         if r.weight_payload not in ("stream", "codes"):
             raise ConfigError(f"run.weight_payload={r.weight_payload!r}; allowed: stream, codes")
-        check_payload(r.weight_payload, self.rollout)
+        check_payload(r.weight_payload, self.rollout, r.rollout_workers)
         if r.bucket_mb < 1 or r.worker_timeout <= 0 or r.worker_threads < 1 or r.worker_tp < 1:
             raise ConfigError(
                 "run.bucket_mb, run.worker_threads and run.worker_tp must be >= 1 and "

@@ -100,9 +100,15 @@ def _integer_at_least_0(name: str, value: Any, zero: str) -> None:
         raise ConfigError(f"{name}={value!r} is invalid; allowed: an integer >= 0 ({zero})")
 
 
-def check_payload(weight_payload: str, rollout: RolloutConfig) -> None:
+def check_payload(weight_payload: str, rollout: RolloutConfig, workers: int = 0) -> None:
     """Refuse a payload of trainer-made codes with rollout settings only the workers' own
-    quantization honours (smoothing, stochastic sync rounding)."""
+    quantization honours (smoothing, stochastic sync rounding), and smoothing on Ray workers,
+    whose per-tensor stream never refreshes the factors."""
+    if workers and rollout.smooth is not None:
+        raise ConfigError(
+            f"rollout.smooth={rollout.smooth} runs in the trainer's own engine only "
+            f"(run.rollout_workers=0); got run.rollout_workers={workers}"
+        )
     if weight_payload != "stream" and (
         rollout.smooth is not None or rollout.sync_rounding != "nearest"
     ):
