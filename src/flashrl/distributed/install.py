@@ -111,12 +111,14 @@ def apply_delta(
         _write_scale(layer, start, end, shard, scale)
 
 
+def stored_codes(engine, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the codes and scales the engine stores for quantized HF weight `name`."""
+    layer, start, end, shard = next(_targets(engine, name))
+    channel = layer.scheme.weight_granularity == "channel"
+    scale = layer.weight_scale[start:end] if channel else layer.weight_scale[shard or 0]
+    return layer.weight[start:end], scale
+
+
 def stored_checksums(engine, names: list[str]) -> dict[str, Checksum]:
     """`delta.checksum` of the codes and scales the engine stores for each quantized HF weight."""
-    out = {}
-    for name in names:
-        layer, start, end, shard = next(_targets(engine, name))
-        channel = layer.scheme.weight_granularity == "channel"
-        scale = layer.weight_scale[start:end] if channel else layer.weight_scale[shard or 0]
-        out[name] = checksum(layer.weight[start:end], scale)
-    return out
+    return {name: checksum(*stored_codes(engine, name)) for name in names}
