@@ -310,6 +310,10 @@ def test_sender_settings_are_checked(kwargs, match):
         ({"run.delta_scale_band": 1.5}, r"run.delta_scale_band=1.5 is invalid; allowed: a number"),
         ({"run.delta_scale_band": float("nan")}, r"run.delta_scale_band=nan is not a number"),
         ({"run.delta_full_every": -2}, r"run.delta_full_every=-2 is invalid"),
+        (  # the trainer rounds the codes to nearest: stochastic sync rounding would be lost
+            {"rollout.sync_rounding": "stochastic", "run.weight_payload": "delta"},
+            "run.weight_payload=delta sends codes the trainer rounds",
+        ),
     ],
 )
 def test_config_errors_name_the_delta_field(overrides, match):
