@@ -5,6 +5,8 @@
 - `transport`: weight transfer in vLLM's phases (init once; start, update, finish per sync):
   in-process, or a bucketed `torch.distributed` broadcast of the high-precision stream or of
   trainer-side quantized codes and scales;
+- `delta`: the ``delta`` payload: scale hysteresis, only the changed codes on the wire, checksums
+  and repairs (the trainer's mirror of what the workers store);
 - `install`: the worker side of a sync, writing into a built-in `Engine` in place;
 - `worker`: `RolloutWorker`, one rollout backend plus its end of the transport (a Ray actor);
 - `pool`: `WorkerPool`, the trainer's handle on N workers (Ray is imported lazily there);

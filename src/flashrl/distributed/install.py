@@ -1,15 +1,22 @@
 """The worker side of a sync into a built-in `Engine`: validate the announced tensors, then write
-each one in place as it arrives (re-quantizing a ``tensor``, copying ``codes`` and ``scale``)."""
+each one in place as it arrives (re-quantizing a ``tensor``, copying ``codes`` and ``scale``,
+applying a delta's ``index`` / ``changed`` pairs to the stored codes), and checksum what is stored
+(`stored_checksums`, compared with the trainer's after a delta sync)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 
+from flashrl.distributed.delta import Checksum, apply_delta_, checksum
 from flashrl.distributed.transport import TensorMeta
 from flashrl.errors import WeightError
 from flashrl.quant.linear import QuantLinear
 
 _FLOATS = ("float32", "bfloat16", "float16", "float64")
+_INDEX = ("int32", "int64")
 
 
 def quantized_names(engine) -> dict[str, str]:
@@ -35,38 +42,83 @@ def validate(engine, metas: list[TensorMeta], quantized: dict[str, str]) -> None
             raise WeightError(f"tensor {m.name!r} has dtype {m.dtype}; allowed: {_FLOATS}")
         if m.kind in ("tensor", "codes") and m.shape != shape:
             raise WeightError(f"tensor {m.name!r} has shape {m.shape}; expected {shape}")
+        if m.kind == "index" and (m.dtype not in _INDEX or len(m.shape) != 1):
+            raise WeightError(f"delta index of {m.name!r} is {m.dtype} {m.shape}; expected 1-D int")
         if m.kind != "tensor" and m.name not in quantized:
             raise WeightError(f"{m.name!r} arrived as {m.kind} but is not quantized here")
 
 
 class EngineSink:
-    """Writes the tensors of one sync into `engine` as they complete."""
+    """Writes the tensors of one sync into `engine` as they complete (a weight's ``codes`` or
+    ``index`` / ``changed`` wait for its ``scale``, which comes last)."""
 
     def __init__(self, engine) -> None:
-        self.engine, self.codes = engine, {}
+        self.engine = engine
+        self.parts: dict[str, dict[str, torch.Tensor]] = {}
 
     @torch.no_grad()
     def __call__(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
         e = self.engine
         if meta.kind == "tensor":
             e.weights.apply(meta.name, tensor.to(e.device), checked=True)
-        elif meta.kind == "codes":
-            self.codes[meta.name] = tensor
+        elif meta.kind != "scale":
+            self.parts.setdefault(meta.name, {})[meta.kind] = tensor
         else:
-            install_codes(e, meta.name, self.codes.pop(meta.name), tensor)
+            parts = self.parts.pop(meta.name)
+            if "codes" in parts:
+                install_codes(e, meta.name, parts["codes"], tensor)
+            else:
+                apply_delta(e, meta.name, parts["index"], parts["changed"], tensor)
+
+
+def _targets(engine, name: str) -> Iterator[tuple[Any, int, int, int | None]]:
+    """(QuantLinear, first row, end row, shard) of each place HF weight `name` is stored."""
+    for target in engine.weights.resolve(name):
+        layer = engine.weights.modules[target.module]
+        shard = target.shard
+        start, end = layer.shard_rows(shard) if shard is not None else (0, layer.out_features)
+        yield layer, start, end, shard
+
+
+def _write_scale(layer, start: int, end: int, shard: int | None, scale: torch.Tensor) -> None:
+    if layer.scheme.weight_granularity == "channel":
+        layer.weight_scale[start:end].copy_(scale)
+    else:
+        layer.weight_scale[shard or 0].copy_(scale)
+        if layer.row_scale is not None:
+            layer.row_scale[start:end].copy_(scale.expand(end - start))
 
 
 def install_codes(engine, name: str, codes: torch.Tensor, scale: torch.Tensor) -> None:
     """Copy trainer-side codes and scales of HF weight `name` into its (shard of a) QuantLinear,
     exactly where `QuantLinear.requantize_` would have written them."""
-    for target in engine.weights.resolve(name):
-        layer = engine.weights.modules[target.module]
-        shard = target.shard
-        start, end = layer.shard_rows(shard) if shard is not None else (0, layer.out_features)
+    for layer, start, end, shard in _targets(engine, name):
         layer.weight[start:end].copy_(codes)
-        if layer.scheme.weight_granularity == "channel":
-            layer.weight_scale[start:end].copy_(scale)
-        else:
-            layer.weight_scale[shard or 0].copy_(scale)
-            if layer.row_scale is not None:
-                layer.row_scale[start:end].copy_(scale.expand(end - start))
+        _write_scale(layer, start, end, shard, scale)
+
+
+def apply_delta(
+    engine, name: str, index: torch.Tensor, changed: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """Write a delta (the `changed` codes at flat `index` positions of the weight's rows) and the
+    new scales of HF weight `name` into its stored codes, in place."""
+    if changed.numel() != index.numel():
+        raise WeightError(f"delta of {name!r}: {index.numel()} indices, {changed.numel()} codes")
+    for layer, start, end, shard in _targets(engine, name):
+        if changed.dtype != layer.weight.dtype:
+            raise WeightError(f"delta of {name!r} has {changed.dtype}; stored {layer.weight.dtype}")
+        apply_delta_(layer.weight[start:end], index, changed)
+        _write_scale(layer, start, end, shard, scale)
+
+
+def stored_codes(engine, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the codes and scales the engine stores for quantized HF weight `name`."""
+    layer, start, end, shard = next(_targets(engine, name))
+    channel = layer.scheme.weight_granularity == "channel"
+    scale = layer.weight_scale[start:end] if channel else layer.weight_scale[shard or 0]
+    return layer.weight[start:end], scale
+
+
+def stored_checksums(engine, names: list[str]) -> dict[str, Checksum]:
+    """`delta.checksum` of the codes and scales the engine stores for each quantized HF weight."""
+    return {name: checksum(*stored_codes(engine, name)) for name in names}

@@ -12,7 +12,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 from flashrl.core.rollout import Rollout, RolloutBackend
 from flashrl.core.sampling import SamplingParams
 from flashrl.distributed.cluster import check_resources, connect
+from flashrl.distributed.delta import DeltaSender, delta_sync
 from flashrl.distributed.transport import (
     DEFAULT_BUCKET_BYTES,
     BucketBroadcast,
@@ -79,6 +80,10 @@ class PoolConfig:
     device: str = "cpu"
     """Where the weight group's buckets live (cpu: gloo; cuda: NCCL)."""
     payload: str = "stream"
+    delta_band: float = 0.05
+    """``delta`` payload: the scale hysteresis band (`flashrl.distributed.delta`)."""
+    delta_full_every: int = 20
+    """``delta`` payload: every N-th sync sends all codes (0: only the first and repairs)."""
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = 600.0
 
@@ -105,7 +110,7 @@ class WorkerPool:
             num_cpus=config.cpus, num_gpus=config.gpus, max_restarts=0, max_concurrency=1
         )
         self.workers = [actor.remote(factory, i, config.threads) for i in range(config.workers)]
-        self.group = None
+        self.group, self.delta = None, None
         try:
             infos = self.wait([w.ready.remote() for w in self.workers], "start")
             self.quantized: dict[str, str] = infos[0]["quantized"]
@@ -175,21 +180,48 @@ class WorkerPool:
 
     def sync(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Broadcast new weights to every worker (phases: plan, stream, finish); returns the bytes
-        sent, the trainer's send time and each worker's sync / requant / KV-calibration time."""
+        sent, the trainer's send time and each worker's sync / requant / KV-calibration time
+        (with the ``delta`` payload also ``delta_*``: the fraction of codes changed and of scales
+        kept, whether the sync was full, how many tensors a checksum mismatch resent)."""
+        if self.config.payload == "delta":
+            return self._sync_delta(named)
+        if self.delta is not None:  # the workers' codes change behind the mirror's back
+            self.delta.needs_full = True
         start = time.perf_counter()
         named = [(n, t.detach()) for n, t in named]
         metas = plan(named, self.config.payload, self.quantized)
         plan_s = time.perf_counter() - start
-        futures = [w.receive.remote(metas) for w in self.workers]
+        sent, results = self._send(metas, payload_tensors(named, metas, self.quantized))
+        out = {"sync/bytes": sent["bytes"], "send_s": sent["send_s"], "plan_s": plan_s}
+        return self._worker_stats(out, results)
+
+    def _sync_delta(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        c = self.config
+        if self.delta is None or (self.delta.band, self.delta.full_every) != (
+            c.delta_band,
+            c.delta_full_every,
+        ):
+            self.delta = DeltaSender(c.delta_band, c.delta_full_every)
+        out, results = delta_sync(
+            self.delta, named, self.quantized, lambda m, t: self._send(m, t, checksums=True)
+        )
+        return self._worker_stats(out, results)
+
+    def _send(
+        self, metas: list, tensors: Iterable[torch.Tensor], checksums: bool = False
+    ) -> tuple[dict[str, float], list[dict]]:
+        futures = [w.receive.remote(metas, checksums) for w in self.workers]
         try:
-            sent = self.broadcast.send(payload_tensors(named, metas, self.quantized))
+            sent = self.broadcast.send(tensors)
         except RuntimeError as err:
             self.wait(futures, "receive weights")  # names the worker that broke the group
             raise RolloutWorkerError(f"weight broadcast failed: {err}") from err
-        results = self.wait(futures, "receive weights")
-        out = {"sync/bytes": sent["bytes"], "send_s": sent["send_s"], "plan_s": plan_s}
+        return sent, self.wait(futures, "receive weights")
+
+    @staticmethod
+    def _worker_stats(out: dict[str, float], results: list[dict]) -> dict[str, float]:
         for i, r in enumerate(results):
-            out.update({f"worker{i}/{k}": v for k, v in r.items()})
+            out.update({f"worker{i}/{k}": v for k, v in r.items() if k != "checksums"})
         out["requant_s"] = max(r["requant_s"] for r in results)
         out["kv_calibration_s"] = max(r["kv_calibration_s"] for r in results)
         return out

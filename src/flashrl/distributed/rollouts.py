@@ -96,6 +96,7 @@ class PoolRollouts:
             if key.startswith("worker") and key.endswith("/sync_s"):
                 metrics[f"sync/{key.split('/')[0]}"] = value
         metrics["bytes"] = out["sync/bytes"]
+        metrics.update({k: v for k, v in out.items() if k.startswith("delta_")})
         return metrics
 
     def close(self) -> None:

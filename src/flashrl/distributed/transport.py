@@ -4,13 +4,15 @@
 every worker the list of tensors to expect: names, dtypes, shapes; the workers validate it before a
 byte moves), `update` (the bytes, streamed), `finish` (each worker reports its times).
 
-Two payloads, one wire format:
+Three payloads, one wire format:
 
 - ``stream``: the trainer's parameters as they are (its dtype); each worker re-quantizes;
 - ``codes``: the trainer quantizes each weight a worker would quantize once (the same
   `quant.primitives.quantize_weight` the engine runs, on the same tensor) and sends codes plus
   fp32 scales; the workers copy them in place. About half the bytes of a bf16 stream for 8-bit
   schemes; the codes a worker ends with are the same bits either way.
+- ``delta``: like ``codes`` with scale hysteresis, but only the codes that changed since the last
+  sync travel, as (index, code) pairs, checked by checksums (`flashrl.distributed.delta`).
 
 The bytes of all tensors of a sync form one stream cut into buckets of `bucket_bytes`, each sent
 with one `broadcast` from rank 0 (the trainer) to ranks 1..N (the workers). A worker's extra
@@ -32,16 +34,17 @@ import torch
 
 from flashrl.errors import ConfigError, WeightError
 from flashrl.quant.primitives import quantize_weight
-from flashrl.quant.schemes import get_scheme
+from flashrl.quant.schemes import QuantScheme, get_scheme
 
-PAYLOADS = ("stream", "codes")
+PAYLOADS = ("stream", "codes", "delta")
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
 class TensorMeta:
     """One tensor of a sync on the wire: the HF `name`, what it is (``tensor``: a high-precision
-    weight; ``codes`` / ``scale``: a weight quantized on the trainer), its dtype and shape."""
+    weight; ``codes`` / ``scale``: a weight quantized on the trainer; ``index`` / ``changed``: the
+    flat positions and new values of the codes a delta changes), its dtype and shape."""
 
     name: str
     kind: str
@@ -85,31 +88,47 @@ def _broadcast(group: torch.distributed.ProcessGroup, tensor: torch.Tensor) -> N
     group.broadcast([tensor], opts).wait()
 
 
-def plan(
-    named: Sequence[tuple[str, torch.Tensor]], payload: str, quantized: dict[str, str]
-) -> list[TensorMeta]:
-    """The tensors of one sync, in order. With ``codes``, each name in `quantized` (HF name ->
-    scheme) is sent as its codes and scales; everything else (norms, embeddings kept in high
-    precision, biases) as it is. Checks every tensor is finite first, so a worker never receives
-    an update it would refuse half way (a `WeightError` naming the tensor)."""
-    if payload not in PAYLOADS:
-        raise ConfigError(f"run.weight_payload={payload!r} is invalid; allowed: stream, codes")
-    out = []
+def check_finite(named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """A `WeightError` naming the first tensor with NaN or Inf, before anything is sent (so a
+    worker never receives an update it would refuse half way)."""
     for name, t in named:
         # amax / amin propagate NaN and Inf: two reductions, no boolean copy of the tensor
         if t.numel() and not bool(torch.isfinite(torch.stack([t.amax(), t.amin()])).all()):
             raise WeightError(f"tensor {name!r} has NaN or Inf values; nothing was sent")
+
+
+def codes_scheme(name: str, scheme_name: str, payload: str) -> QuantScheme:
+    """The scheme the trainer quantizes weight `name` with for `payload` (codes or delta): a
+    `ConfigError` for block-scaled schemes, which travel as a stream."""
+    scheme = get_scheme(scheme_name)
+    if scheme.weight_granularity not in ("channel", "tensor"):
+        raise ConfigError(
+            f"run.weight_payload={payload} supports per-channel and per-tensor schemes; "
+            f"{name!r} uses {scheme.name!r} ({scheme.weight_granularity}): use stream"
+        )
+    return scheme
+
+
+def plan(
+    named: Sequence[tuple[str, torch.Tensor]], payload: str, quantized: dict[str, str]
+) -> list[TensorMeta]:
+    """The tensors of one ``stream`` or ``codes`` sync, in order (``delta``:
+    `delta.DeltaSender.plan`). With ``codes``, each name in `quantized` (HF name -> scheme) is
+    sent as its codes and scales; everything else (norms, embeddings kept in high precision,
+    biases) as it is. Checks every tensor is finite first (`check_finite`)."""
+    if payload not in PAYLOADS:
+        raise ConfigError(
+            f"run.weight_payload={payload!r} is invalid; allowed: {', '.join(PAYLOADS)}"
+        )
+    assert payload != "delta", "delta syncs are planned by delta.DeltaSender"
+    check_finite(named)
+    out = []
+    for name, t in named:
         dtype = str(t.dtype).removeprefix("torch.")
         if payload == "codes" and name in quantized:
-            scheme = get_scheme(quantized[name])
+            scheme = codes_scheme(name, quantized[name], payload)
             code = str(scheme.code_dtype).removeprefix("torch.")
-            rows = t.shape[0]
-            scale_shape = (rows, 1) if scheme.weight_granularity == "channel" else ()
-            if scheme.weight_granularity not in ("channel", "tensor"):
-                raise ConfigError(
-                    f"run.weight_payload=codes supports per-channel and per-tensor schemes; "
-                    f"{name!r} uses {scheme.name!r} ({scheme.weight_granularity}): use stream"
-                )
+            scale_shape = (t.shape[0], 1) if scheme.weight_granularity == "channel" else ()
             out.append(TensorMeta(name, "codes", code, tuple(t.shape)))
             out.append(TensorMeta(name, "scale", "float32", scale_shape))
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -49,19 +50,25 @@ class RolloutWorker:
         self.broadcast = BucketBroadcast(group, device, bucket)
         return self.index
 
-    def receive(self, metas: list[TensorMeta]) -> dict[str, float]:
+    def receive(self, metas: list[TensorMeta], checksums: bool = False) -> dict[str, Any]:
         """One sync over the group: validate `metas`, receive and install each tensor, then
-        recalibrate fp8 KV scales. Returns seconds (``sync_s`` in all, ``requant_s`` writing)."""
+        recalibrate fp8 KV scales. Returns seconds (``sync_s`` in all, ``requant_s`` writing) and,
+        with `checksums`, ``checksums``: the stored codes' and scales' checksum of every
+        quantized weight of the sync (a delta sync's check, `flashrl.distributed.delta`)."""
         assert self.broadcast is not None, "join_group first"
         start = time.perf_counter()
         if self.is_engine:
             install.validate(self.backend, metas, self.quantized)
             requant = self.broadcast.receive(metas, install.EngineSink(self.backend))
             kv = self._after_update()
+            if checksums:
+                names = [m.name for m in metas if m.kind == "scale"]
+                sums = install.stored_checksums(self.backend, names)
+                return {**self._record(start, requant, kv), "checksums": sums}
         else:
             if any(m.kind != "tensor" for m in metas):
                 raise UnsupportedError(
-                    "run.weight_payload=codes needs the built-in engine; use stream"
+                    "run.weight_payload=codes and delta need the built-in engine; use stream"
                 )
             received: list[tuple[str, torch.Tensor]] = []
             self.broadcast.receive(metas, lambda m, t: received.append((m.name, t.clone())))

@@ -33,7 +33,7 @@ from flashrl.model.remote_code import check_trust_remote_code
 from flashrl.rl.algo import ADVANTAGES
 from flashrl.rl.backends import backend_names
 from flashrl.rl.compare import compare_variants
-from flashrl.rl.config_checks import check_numbers, check_payload, check_policy_loss
+from flashrl.rl.config_checks import check_numbers, check_policy_loss, check_workers
 from flashrl.rl.data import DataConfig, prompt_source
 from flashrl.rl.legacy import LEGACY_NAMES
 from flashrl.rl.policy_loss import POLICY_LOSSES
@@ -62,6 +62,7 @@ RESUME_FREE_FIELDS = (
     *(f"run.{name}" for name in ("rollout_workers", "ray_address", "worker_cpus", "worker_gpus")),
     *(f"run.{name}" for name in ("worker_tp", "worker_threads", "weight_payload", "bucket_mb")),
     "run.worker_timeout",
+    "run.delta_full_every",
 )
 """Fields a resumed run may change freely (length, learning rate, outputs, machine layout); every
 other field must match the checkpoint's config unless named in ``run.resume_allow_changes``."""
@@ -163,7 +164,13 @@ class RunConfig:
     """torch threads per rollout worker."""
     weight_payload: str = "stream"
     """'stream': send the trainer's weights, workers re-quantize; 'codes': quantize once on the
-    trainer, send codes + scales (identical codes, about half the bytes of bf16)."""
+    trainer, send codes + scales (identical codes, about half the bytes of bf16); 'delta': codes
+    with scale hysteresis, only the changed ones sent, checksummed (docs/distributed.md)."""
+    delta_scale_band: float = 0.05
+    """'delta': a row keeps its scale while its amax stays within [(1 - band) * amax at its last
+    fresh scale, that amax]; 0: fresh scales at every sync (the 'codes' bits)."""
+    delta_full_every: int = 20
+    """'delta': every N-th sync sends all codes (0: only the first sync and checksum repairs)."""
     bucket_mb: int = 64
     """Size of one broadcast bucket (the peak extra memory of a sync)."""
     worker_timeout: float = 600.0
@@ -263,7 +270,7 @@ class TrainConfig:
                 f"run.keep_last={keep!r} must be a positive integer (or none to keep "
                 f"every checkpoint)"
             )
-        self._check_workers()
+        check_workers(self)
         self.resume_allowed()
         if r.compare:
             compare_variants(r.compare)
@@ -284,36 +291,6 @@ class TrainConfig:
             )
         if a.group_size < 2 and a.advantage != "drgrpo":
             raise ConfigError(f"algo.advantage={a.advantage!r} needs algo.group_size >= 2")
-
-    def _check_workers(self) -> None:
-        r = self.run
-        for name in ("rollout_workers", "rollout_shards"):
-            value = getattr(r, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"run.{name}={value!r} must be an integer >= 0")
-        if r.weight_payload not in ("stream", "codes"):
-            raise ConfigError(f"run.weight_payload={r.weight_payload!r}; allowed: stream, codes")
-        check_payload(r.weight_payload, self.rollout, r.rollout_workers)
-        if r.bucket_mb < 1 or r.worker_timeout <= 0 or r.worker_threads < 1 or r.worker_tp < 1:
-            raise ConfigError(
-                "run.bucket_mb, run.worker_threads and run.worker_tp must be >= 1 and "
-                "run.worker_timeout > 0"
-            )
-        if r.log_weight_changes and (r.rollout_workers or r.backend != "builtin"):
-            raise ConfigError(
-                "run.log_weight_changes needs the built-in engine in the trainer's process "
-                "(run.backend=builtin, run.rollout_workers=0)"
-            )
-        if self.algo.routing_replay and (r.rollout_workers or r.backend != "builtin"):
-            raise ConfigError(
-                f"algo.routing_replay needs the built-in engine in the trainer's process "
-                f"(run.backend=builtin, run.rollout_workers=0); got run.backend={r.backend}, "
-                f"run.rollout_workers={r.rollout_workers}"
-            )
-        if r.async_rollouts and r.rollout_workers < 1:
-            raise ConfigError("run.async_rollouts needs run.rollout_workers >= 1")
-        if r.worker_tp > 1 and r.backend != "vllm":
-            raise ConfigError("run.worker_tp > 1 needs run.backend=vllm")
 
     def resume_allowed(self) -> set[str] | None:
         """Dotted fields `run.resume_allow_changes` lets differ from the checkpoint's config (None:

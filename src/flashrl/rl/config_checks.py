@@ -15,6 +15,10 @@ from typing import Any
 from flashrl.core.config import RolloutConfig
 from flashrl.errors import ConfigError
 
+PAYLOADS = ("stream", "codes", "delta")
+"""`run.weight_payload` values (`flashrl.distributed.transport.PAYLOADS`, not imported here: the
+config must not need the distributed package)."""
+
 MAX_LR = 1.0
 """The largest `algo.lr`: AdamW moves every weight by about lr per step, so a larger one destroys
 the policy in one step (1e38 overflowed the weights to inf)."""
@@ -67,6 +71,48 @@ def check_numbers(config: Any) -> None:
         )
 
 
+def check_workers(config: Any) -> None:
+    """The rollout-worker fields: counts, the weight payload and its delta settings, and what
+    needs the built-in engine in the trainer's process."""
+    r = config.run
+    for name in ("rollout_workers", "rollout_shards"):
+        value = getattr(r, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"run.{name}={value!r} must be an integer >= 0")
+    if r.weight_payload not in PAYLOADS:
+        raise ConfigError(
+            f"run.weight_payload={r.weight_payload!r}; allowed: {', '.join(PAYLOADS)}"
+        )
+    band = r.delta_scale_band
+    if isinstance(band, bool) or not isinstance(band, int | float) or not 0 <= band < 1:
+        allowed = _RANGES["run.delta_scale_band"]
+        raise ConfigError(f"run.delta_scale_band={band!r} is invalid; allowed:{allowed}")
+    _integer_at_least_0(
+        "run.delta_full_every", r.delta_full_every, "0: only the first sync and repairs"
+    )
+    check_payload(r.weight_payload, config.rollout, r.rollout_workers)
+    if r.bucket_mb < 1 or r.worker_timeout <= 0 or r.worker_threads < 1 or r.worker_tp < 1:
+        raise ConfigError(
+            "run.bucket_mb, run.worker_threads and run.worker_tp must be >= 1 and "
+            "run.worker_timeout > 0"
+        )
+    if r.log_weight_changes and (r.rollout_workers or r.backend != "builtin"):
+        raise ConfigError(
+            "run.log_weight_changes needs the built-in engine in the trainer's process "
+            "(run.backend=builtin, run.rollout_workers=0)"
+        )
+    if config.algo.routing_replay and (r.rollout_workers or r.backend != "builtin"):
+        raise ConfigError(
+            f"algo.routing_replay needs the built-in engine in the trainer's process "
+            f"(run.backend=builtin, run.rollout_workers=0); got run.backend={r.backend}, "
+            f"run.rollout_workers={r.rollout_workers}"
+        )
+    if r.async_rollouts and r.rollout_workers < 1:
+        raise ConfigError("run.async_rollouts needs run.rollout_workers >= 1")
+    if r.worker_tp > 1 and r.backend != "vllm":
+        raise ConfigError("run.worker_tp > 1 needs run.backend=vllm")
+
+
 def check_policy_loss(a: Any) -> None:
     """What a policy loss needs from the other algo fields: GSPO aggregates per sequence (as verl
     forces) and has no dual clip."""
@@ -91,6 +137,7 @@ _RANGES = {
     "run.worker_cpus": " a number >= 0 (Ray CPUs per rollout worker)",
     "run.worker_gpus": " a number >= 0 (Ray GPUs per rollout worker)",
     "run.worker_timeout": f" seconds > 0 and <= {MAX_WORKER_TIMEOUT_S:g}",
+    "run.delta_scale_band": " a number >= 0 and < 1 (0: fresh scales at every sync)",
 }
 """What each bounded float allows (after "allowed:"), shared by the finiteness and range errors."""
 

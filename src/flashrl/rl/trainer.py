@@ -221,7 +221,7 @@ class Trainer:
             t["sync_total"] = time.perf_counter() - mark
             if "bytes" in sync:
                 metrics["sync/bytes_sent"] = sync.pop("bytes")
-            for key in [k for k in sync if k.endswith("_changed_frac")]:
+            for key in [k for k in sync if k.endswith("_changed_frac") or k.startswith("delta_")]:
                 metrics[f"sync/{key}"] = sync.pop(key)
             t.update(sync)
         else:

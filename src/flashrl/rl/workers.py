@@ -60,6 +60,8 @@ def make_rollouts(
             threads=r.worker_threads,
             device=pool_device,
             payload=r.weight_payload,
+            delta_band=r.delta_scale_band,
+            delta_full_every=r.delta_full_every,
             bucket_bytes=r.bucket_mb * 2**20,
             timeout_s=r.worker_timeout,
         ),
