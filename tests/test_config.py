@@ -410,7 +410,7 @@ def test_import_configures_nothing_and_never_fails_on_bad_values():
         FLASHRL_CONFIG="int4",
     )
     code = (
-        "import logging, flashrl, flashrl.config, flashrl.engine.engine, flashrl.cli\n"
+        "import logging, flashrl, flashrl.core.config, flashrl.engine.engine, flashrl.cli\n"
         "print(len(logging.getLogger('flashrl').handlers), len(logging.getLogger().handlers), "
         "logging.getLogger('flashrl').level)"
     )
