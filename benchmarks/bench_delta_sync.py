@@ -91,7 +91,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
     factory = functools.partial(
-        Engine, model_dir, quant="int8", dtype="bf16", device="cpu", max_batch=1, max_len=16,
+        Engine, model_dir, rollout_config="int8", dtype="bf16", device="cpu", max_batch=1, max_len=16,
         progress=False,
     )  # fmt: skip
     workers = {band: RolloutWorker(factory, i, args.threads) for i, band in enumerate((0.0, 0.05))}

@@ -102,7 +102,7 @@ def part_sync(args: argparse.Namespace) -> dict:
     make = functools.partial(
         Engine, model_dir, dtype="bf16", device="cpu", max_batch=1, max_len=16, progress=False
     )
-    local = make(quant="int8", load_weights=False)
+    local = make(rollout_config="int8", load_weights=False)
     named = list(local.random_weights(seed=1))
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     start = time.perf_counter()
@@ -111,7 +111,7 @@ def part_sync(args: argparse.Namespace) -> dict:
     copy_s = copy_time(nbytes)
     expected = local.model.state_dict()
     pool = WorkerPool(
-        functools.partial(make, quant="int8", load_weights=False),
+        functools.partial(make, rollout_config="int8", load_weights=False),
         PoolConfig(workers=args.workers, timeout_s=1200, bucket_bytes=args.bucket_mb * 2**20),
     )
     rows = []

@@ -108,7 +108,7 @@ def bench_one(name: str, scheme: str, args: argparse.Namespace, root: Path) -> d
     path = model_dir(name, root / name)
     device = torch.device(args.device)
     max_len = args.prompt_len + args.output_len
-    engine = Engine(path, quant=scheme, dtype="bf16", device=device, progress=False,
+    engine = Engine(path, rollout_config=scheme, dtype="bf16", device=device, progress=False,
                     load_weights=False, max_batch=args.batch, max_len=max_len)  # fmt: skip
     engine.init_random_weights_()
     gen = torch.Generator().manual_seed(0)

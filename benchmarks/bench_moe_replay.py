@@ -54,7 +54,7 @@ PARAMS = SamplingParams(
 
 
 def bench_scheme(scheme: str, path: Path, trainer, args) -> dict:
-    engine = Engine(path, quant=scheme, dtype="bf16", device="cpu", progress=False,
+    engine = Engine(path, rollout_config=scheme, dtype="bf16", device="cpu", progress=False,
                     max_batch=128, max_len=32)  # fmt: skip
     backend = RoutingBackend(engine)
     task = ArithmeticTask(seed=0, max_operand=PRESET["data.task_max_operand"], ops="+")

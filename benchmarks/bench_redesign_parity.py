@@ -20,6 +20,25 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = ("time", "throughput", "memory")
+SPELLINGS = (
+    ("--run.steps", "--run.output-dir", "--run.plot"),
+    ("--steps", "--output-dir", "--plot"),
+)
+"""`flashrl train` flags: dotted (the nested TrainConfig), then flat for older revisions (before the
+nested config; the flat names are refused since)."""
+
+
+def train(env: dict, out: Path, steps: int) -> None:
+    """The tiny `flashrl train` for `steps` steps into out/run, in the spelling the revision takes
+    (a refused spelling exits 2 and writes nothing)."""
+    for names in SPELLINGS:
+        flags = [str(steps), str(out / "run"), "false"]
+        argv = [x for pair in zip(names, flags) for x in pair]
+        cmd = [sys.executable, "-m", "flashrl.cli", "train", *argv]
+        done = subprocess.run(cmd, env=env, cwd=out, capture_output=True)
+        if done.returncode != 2:
+            break
+    done.check_returncode()
 
 
 def run_rev(rev: str, work: Path, steps: int) -> dict:
@@ -31,9 +50,7 @@ def run_rev(rev: str, work: Path, steps: int) -> dict:
         env = {**os.environ, "PYTHONPATH": str(tree / "src"), "OMP_NUM_THREADS": "1"}
         out = work / f"out-{rev}"
         out.mkdir()
-        train = [sys.executable, "-m", "flashrl.cli", "train", "--steps", str(steps),
-                 "--output-dir", str(out / "run"), "--plot", "false"]  # fmt: skip
-        subprocess.run(train, check=True, env=env, cwd=out, capture_output=True)
+        train(env, out, steps)
         bench = [sys.executable, "-m", "flashrl.cli", "bench", "--random-weights", "tiny-bench",
                  "--out", str(out / "bench.json"), "--threads", "1"]  # fmt: skip
         subprocess.run(bench, check=True, env=env, cwd=out, capture_output=True)

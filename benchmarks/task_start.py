@@ -28,7 +28,7 @@ def measure(preset: str, prompts: int, samples: int, seed: int) -> list[dict]:
     a, d = config.algo, config.data
     engine = Engine(
         resolve_model(config.model),
-        quant="bf16",
+        rollout_config="bf16",
         dtype="fp32",
         max_batch=prompts * samples,
         max_len=a.max_prompt_tokens + a.max_response_tokens,

@@ -13,6 +13,7 @@ import torch
 
 from flashrl.core.config import SCHEME_NAMES, RolloutConfig, resolve_config
 from flashrl.core.env import ENV_VARS, configure_logging, from_env, parse_bool
+from flashrl.errors import ConfigError
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.quant.schemes import SCHEMES
 
@@ -291,8 +292,24 @@ def test_engine_applies_environment(tiny_models, monkeypatch):
     with pytest.raises(ValueError, match="FLASHRL_CONFIG='int4' is invalid"):
         Engine(model, device="cpu", progress=False)
     assert (
-        Engine(model, quant="bf16", device="cpu", progress=False, max_len=16).config.quant == "bf16"
+        Engine(model, rollout_config="bf16", device="cpu", progress=False, max_len=16).config.quant
+        == "bf16"
     )  # explicit wins
+    assert Engine(model, "bf16", device="cpu", progress=False, max_len=16).config.quant == "bf16"
+
+
+def test_engine_refuses_quant_and_unknown_keywords(tiny_models):
+    """``quant=`` was the old name of `rollout_config`: refused before anything loads, naming the
+    new spelling (not translated, and not taken as an unknown keyword either)."""
+    from flashrl.engine import Engine
+
+    model = tiny_models("qwen2")
+    with pytest.raises(ConfigError, match=r"^Engine: quant= was renamed: pass the scheme as"):
+        Engine(model, quant="int8", device="cpu", progress=False)
+    with pytest.raises(ConfigError, match=r"Engine\(model, 'int8'\) or rollout_config='int8'"):
+        Engine(model, "int8", quant="int8")
+    with pytest.raises(ConfigError, match=r"Engine got unknown argument\(s\) \['quantization'\]"):
+        Engine(model, quantization="int8")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,7 +410,7 @@ def test_import_configures_nothing_and_never_fails_on_bad_values():
         FLASHRL_CONFIG="int4",
     )
     code = (
-        "import logging, flashrl, flashrl.config, flashrl.engine.engine, flashrl.cli\n"
+        "import logging, flashrl, flashrl.core.config, flashrl.engine.engine, flashrl.cli\n"
         "print(len(logging.getLogger('flashrl').handlers), len(logging.getLogger().handlers), "
         "logging.getLogger('flashrl').level)"
     )

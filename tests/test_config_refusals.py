@@ -104,38 +104,44 @@ def test_yaml_merge_keys_and_equal_keys_in_other_mappings_still_load(tmp_path):
     assert read_yaml(path) == {"a": {"lr": 1}, "b": {"lr": 1, "seed": 2}, "c": {"lr": 1}}
 
 
-@pytest.mark.parametrize(
-    "argv, parts",
-    [
-        (["--lr", "0.1", "--algo.lr", "0.2"], ["lr='0.1'", "algo.lr='0.2'", "give it once"]),
-        (["--tis-cap", "3", "--correction.cap", "2"], ["tis_cap='3'", "correction.cap='2'"]),
-        (
-            ["--rollout-workers", "1", "--run.rollout-workers", "2"],
-            ["rollout_workers='1'", "run.rollout_workers='2'"],
-        ),
-    ],
-)
-def test_an_old_name_and_its_new_name_with_different_values(
-    argv, parts, capsys, no_training, workdir
-):
+def test_a_short_flag_and_its_dotted_name_with_different_values(capsys, no_training, workdir):
+    argv = ["--rollout-workers", "1", "--run.rollout-workers", "2"]
+    parts = ["rollout_workers='1'", "run.rollout_workers='2'", "give it once"]
     refused(capsys, argv, "set the same field", "different values", *parts)
 
 
-def test_an_old_name_and_its_new_name_in_one_yaml_file(tmp_path, capsys, no_training, workdir):
+@pytest.mark.parametrize(
+    "argv, parts",
+    [
+        (["--lr", "0.1", "--algo.lr", "0.2"], ["--lr was renamed: use --algo.lr"]),
+        (
+            ["--tis-cap", "3", "--correction.cap", "3"],
+            ["--tis-cap was renamed: use --correction.cap"],
+        ),
+    ],
+)
+def test_an_old_flat_name_is_refused_even_beside_its_new_name(
+    argv, parts, capsys, no_training, workdir
+):
+    assert "set the same field" not in refused(capsys, argv, *parts)
+
+
+def test_an_old_name_or_a_field_given_twice_in_one_yaml_file(
+    tmp_path, capsys, no_training, workdir
+):
     path = tmp_path / "c.yaml"
     path.write_text("lr: 0.1\nalgo:\n  lr: 0.2\n")
-    refused(capsys, ["--config", str(path)], str(path), "lr=0.1", "algo: lr=0.2", "algo.lr")
+    refused(capsys, ["--config", str(path)], f"{path}: lr was renamed: use algo.lr")
     path.write_text("algo.lr: 0.1\nalgo:\n  lr: 0.2\n")
-    refused(capsys, ["--config", str(path)], "algo.lr=0.1", "algo: lr=0.2")
+    refused(capsys, ["--config", str(path)], "algo.lr=0.1", "algo: lr=0.2", "give it once")
 
 
-def test_the_same_value_under_both_names_is_accepted(tmp_path):
-    with pytest.warns(DeprecationWarning):
-        config = build_config("tiny-cpu", None, {"lr": "0.1", "algo.lr": "1e-1"})
-    assert config.algo.lr == 0.1
-    with pytest.warns(DeprecationWarning):
-        config = build_config("tiny-cpu", None, {"tis_cap": "3", "correction.cap": "3.0"})
-    assert config.correction.cap == 3.0
+def test_the_same_value_under_both_spellings_is_accepted(tmp_path):
+    config = build_config("tiny-cpu", None, {"rollout_workers": "0", "run.rollout_workers": 0})
+    assert config.run.rollout_workers == 0
+    path = tmp_path / "c.yaml"
+    path.write_text("algo.lr: 0.1\nalgo:\n  lr: 1e-1\n")
+    assert build_config("tiny-cpu", str(path), {}).algo.lr == 0.1
     # a later layer still overrides an earlier one (YAML < flags)
     path = tmp_path / "c.yaml"
     path.write_text("algo:\n  lr: 0.1\n")

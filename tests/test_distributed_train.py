@@ -13,9 +13,9 @@ import torch
 from distributed_fixtures import ray_instance  # noqa: F401 (fixture)
 from flashrl.rl import checkpoint as ckpt
 from flashrl.rl.config_build import build_config
-from flashrl.rl.legacy import LEGACY_NAMES
 from flashrl.rl.trainer import Trainer, read_metrics
 from flashrl.testing import save_tiny_model
+from shorthand import dotted
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_instance")]
 LAYOUT = ("time/", "throughput/", "memory/", "sync/")
@@ -56,10 +56,7 @@ def config(model_dir, out, **overrides):
         worker_timeout=120.0,
     )
     values.update(overrides)
-    new = {"quant": "rollout.quant", "rollout_shards": "run.rollout_shards"}
-    new |= {k: f"run.{k}" for k in ("worker_timeout", "async_rollouts", "rollout_workers")}
-    names = {**LEGACY_NAMES, **new}
-    return build_config("tiny-cpu", None, {names.get(k, k): v for k, v in values.items()})
+    return build_config("tiny-cpu", None, dotted(values))
 
 
 def computed(path):
@@ -112,7 +109,7 @@ def test_killed_worker_is_named_and_the_checkpoint_survives(policy_dir, tmp_path
         trainer.train()
     assert [s for s, _ in ckpt.list_checkpoints(out)] == [2]
     assert ckpt.verify_checkpoint(out / "checkpoint-2")["step"] == 2
-    Engine(out / "checkpoint-2", quant="int8", device="cpu", max_len=32, progress=False)
+    Engine(out / "checkpoint-2", rollout_config="int8", device="cpu", max_len=32, progress=False)
     assert len(read_metrics(out / "metrics.jsonl")) == 3
 
 

@@ -43,7 +43,7 @@ def engine_factory(path, quant="int8"):
     return functools.partial(
         Engine,
         path,
-        quant=quant,
+        rollout_config=quant,
         dtype="fp32",
         device="cpu",
         max_batch=8,

@@ -262,14 +262,14 @@ def test_update_weights_equals_fresh_engine(scheme, tiny_models, tmp_path, gen):
     base = tiny_models("qwen2", tie_word_embeddings=False)
     hf, state = perturbed_state(base, gen)
     perturbed = save_state(hf, state, tmp_path / "perturbed")
-    e = engine(base, quant=scheme)
+    e = engine(base, rollout_config=scheme)
     before = pointers(e)
     ids = random_ids(20, gen)
     timing = e.update_weights(
         ((k, v) for k, v in reversed(list(state.items()))), count_changed=True
     )
     assert pointers(e) == before, "storage moved during update_weights"
-    assert torch.equal(e.logits(ids), engine(perturbed, quant=scheme).logits(ids))
+    assert torch.equal(e.logits(ids), engine(perturbed, rollout_config=scheme).logits(ids))
     assert timing["requant_s"] >= 0 and timing["tensors"] == len(state)
     if scheme != "bf16":
         assert 0 < timing["codes_changed_frac"] <= 1
@@ -292,7 +292,7 @@ def test_partial_and_split_qkv_updates(scheme, tiny_models, tmp_path, gen):
         )
     }
     expected = save_state(hf, {**original, **changed}, tmp_path / "expected")
-    e = engine(base, quant=scheme)
+    e = engine(base, rollout_config=scheme)
     for name in (layer0 + "v_proj.weight", layer0 + "q_proj.weight"):  # q, k, v in separate calls
         e.update_weights([(name, changed[name])])
     e.update_weights(
@@ -305,7 +305,7 @@ def test_partial_and_split_qkv_updates(scheme, tiny_models, tmp_path, gen):
         [("model.layers.1.mlp.up_proj.weight", changed["model.layers.1.mlp.up_proj.weight"])]
     )
     ids = random_ids(20, gen)
-    assert torch.equal(e.logits(ids), engine(expected, quant=scheme).logits(ids))
+    assert torch.equal(e.logits(ids), engine(expected, rollout_config=scheme).logits(ids))
 
 
 def test_tied_embedding_update_reaches_the_head(tiny_models, gen):
@@ -335,7 +335,7 @@ def test_lm_head_fp32_reduces_logit_error(tiny_models, gen):
 
 def test_bad_updates_leave_engine_unchanged(tiny_models, gen):
     path = tiny_models("qwen2")
-    e = engine(path, quant="int8")
+    e = engine(path, rollout_config="int8")
     ids = random_ids(10, gen)
     before = e.logits(ids)
     good = ("model.layers.0.mlp.down_proj.weight", torch.randn(64, 128, generator=gen))
@@ -419,8 +419,8 @@ def test_prefill_token_budget_splits_forwards_not_results(scheme, tiny_models, g
     path = tiny_models("qwen2")
     prompts = [random_ids(n, gen) for n in (2, 13, 6, 9, 21, 4)]
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, n=2, seed=5, ignore_eos=True)
-    whole = engine(path, quant=scheme, max_batch=12)
-    split = engine(path, quant=scheme, max_batch=12, max_prefill_tokens=20)
+    whole = engine(path, rollout_config=scheme, max_batch=12)
+    split = engine(path, rollout_config=scheme, max_batch=12, max_prefill_tokens=20)
     a, b = whole.generate(prompts, params), split.generate(prompts, params)
     assert [r.response_ids for r in a] == [r.response_ids for r in b]
     assert max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra.logprobs, rb.logprobs)) < 1e-5

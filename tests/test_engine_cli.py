@@ -63,7 +63,7 @@ def test_generate_json_logprobs_equal_engine_scoring(scheme, tiny_models, capsys
         (1, 0),
         (1, 1),
     ]
-    scorer = Engine(path, quant=scheme, dtype="fp32", device="cpu", progress=False)
+    scorer = Engine(path, rollout_config=scheme, dtype="fp32", device="cpu", progress=False)
     for r in rows:
         prompt = [int(t) for t in PROMPTS[r["prompt_index"]].split(",")]
         assert len(r["response_ids"]) == len(r["logprobs"]) == 6 and r["finish_reason"] == "length"

@@ -127,7 +127,8 @@ def generate_both(path, scheme, kv, gen):
         ),
     ]
     engines = [
-        engine(path, quant=scheme, max_batch=6, decode_buckets=b, **kv) for b in (False, True)
+        engine(path, rollout_config=scheme, max_batch=6, decode_buckets=b, **kv)
+        for b in (False, True)
     ]
     outs = [[o for p in runs for o in e.generate(prompts, p)] for e in engines]
     return engines, outs
@@ -187,7 +188,8 @@ def test_padded_attention_length_changes_only_rounding(scheme, family, kv, tiny_
     overrides = {"sliding_window": 8} if family == "mistral" else {}
     path = tiny_models(family, **overrides)
     plain, bucketed = (
-        engine(path, quant=scheme, max_batch=6, decode_buckets=b, **kv) for b in (False, True)
+        engine(path, rollout_config=scheme, max_batch=6, decode_buckets=b, **kv)
+        for b in (False, True)
     )
     prompts = [random_ids(n, gen) for n in (2, 13, 6, 9, 21)]
     responses = [random_ids(20, gen) for _ in prompts]
@@ -225,7 +227,7 @@ def test_padding_rows_write_only_position_zero_of_free_slots(kv, tiny_models, ge
     """One decode step of 3 sequences padded to 4 rows, on a cache full of stale data: live slots get
     exactly their new token, the free padding slot only its position 0, other slots nothing; scales
     and clipping counters are those of the unpadded step."""
-    e = engine(tiny_models("qwen2"), quant="fp8", max_batch=8, max_len=40, **kv)
+    e = engine(tiny_models("qwen2"), rollout_config="fp8", max_batch=8, max_len=40, **kv)
     cache = e._ensure_cache()
     for t in cache.k + cache.v:
         t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
@@ -321,7 +323,9 @@ def test_compiled_decode_equals_eager_and_sees_in_place_updates(tiny_models, gen
     recompiles. Tolerance 1e-3 in logits: inductor rounds differently from eager in the last fp32
     bits, which can flip an fp8 code (stale weights or scales move the logits by > 1e-2)."""
     path = tiny_models("qwen2", tie_word_embeddings=False)
-    kw = dict(quant="fp8", kv_cache_dtype="fp8", kv_scale="calibrated", max_batch=4, max_len=64)
+    kw = dict(
+        rollout_config="fp8", kv_cache_dtype="fp8", kv_scale="calibrated", max_batch=4, max_len=64
+    )
     eager, compiled = (
         engine(path, decode_buckets=True, **kw),
         engine(path, decode_compile="default", **kw),
@@ -364,7 +368,9 @@ def test_compiled_generate_across_buckets(tiny_models, gen):
     shapes change, plus its specializations (batch 1, a slice over the whole cache: batch =
     max_batch, length = max_len): a bounded number of compiles, not one per bucket."""
     path = tiny_models("qwen3")
-    kw = dict(quant="int8", kv_cache_dtype="fp8", kv_scale="dynamic", max_batch=12, max_len=300)
+    kw = dict(
+        rollout_config="int8", kv_cache_dtype="fp8", kv_scale="dynamic", max_batch=12, max_len=300
+    )
     eager, compiled = engine(path, **kw), engine(path, decode_compile="default", **kw)
     prompts = [random_ids(n, gen) for n in (250, 13, 6, 9, 21, 4, 30)]
     params = SamplingParams(
@@ -433,7 +439,9 @@ def gpu_engines(path, modes, **kw):
 @pytest.mark.parametrize("scheme", ["bf16", "int8", "fp8", "fp8_channel"])
 def test_cuda_graph_decode_equals_eager(scheme, tiny_models, gen):
     path = tiny_models("qwen2", tie_word_embeddings=False)
-    eager, compiled, graphs = gpu_engines(path, [None, "default", "reduce-overhead"], quant=scheme)
+    eager, compiled, graphs = gpu_engines(
+        path, [None, "default", "reduce-overhead"], rollout_config=scheme
+    )
     assert graphs.decode.cudagraphs and not compiled.decode.cudagraphs
     prompts = [random_ids(n, gen) for n in (3, 17, 8, 30, 11)]  # batch 5 -> bucket 8
     responses = [random_ids(20, gen) for _ in prompts]
@@ -452,7 +460,7 @@ def test_cuda_graph_generate_matches_eager_scoring(tiny_models, gen):
     batch buckets): every returned logprob is the eager engine's logprob of the sampled token."""
     path = tiny_models("qwen3")
     eager, graphs = (
-        engine(path, device="cuda", max_batch=8, max_len=96, quant="int8", **kw)
+        engine(path, device="cuda", max_batch=8, max_len=96, rollout_config="int8", **kw)
         for kw in ({}, {"decode_compile": "reduce-overhead"})
     )
     prompts = [random_ids(n, gen) for n in (2, 13, 6, 9, 21)]
@@ -493,7 +501,7 @@ def test_cuda_graph_sees_weight_updates_between_replays(scheme, tiny_models, gen
     """After an in-place weight update the replayed graph computes the new model: as close to the
     new exact model as the eager step is, and much closer than its own output before the update."""
     path = tiny_models("qwen2", tie_word_embeddings=False)
-    eager, graphs = gpu_engines(path, [None, "reduce-overhead"], quant=scheme)
+    eager, graphs = gpu_engines(path, [None, "reduce-overhead"], rollout_config=scheme)
     exact = fp32_reference(path)
     prompts = [random_ids(n, gen) for n in (4, 12, 7)]
     responses = [random_ids(12, gen) for _ in prompts]

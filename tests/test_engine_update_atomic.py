@@ -91,7 +91,7 @@ def bad_tensors(e: Engine) -> list[tuple[str, str, torch.Tensor]]:
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_bad_update_raises_and_leaves_engine_bit_identical(scheme, tiny_models, gen):
-    e = engine(tiny_models("qwen2"), quant=scheme)  # tied embeddings, q/k/v bias
+    e = engine(tiny_models("qwen2"), rollout_config=scheme)  # tied embeddings, q/k/v bias
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 9)]
     out_before = e.generate(prompts, params)
@@ -115,7 +115,7 @@ def test_bad_update_raises_and_leaves_engine_bit_identical(scheme, tiny_models, 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
 def test_bad_tensor_first_or_in_the_middle(scheme, tiny_models, gen):
     """Order does not matter: the bad tensor is found before anything is written."""
-    e = engine(tiny_models("qwen3"), quant=scheme)  # q/k norm
+    e = engine(tiny_models("qwen3"), rollout_config=scheme)  # q/k norm
     before = snapshot(e)
     good = good_tensors(e, gen)
     nan = torch.full((32,), float("nan"))

@@ -332,7 +332,9 @@ def scale_kv_projections(path, factor: float) -> dict[str, torch.Tensor]:
 )
 def test_recalibration_after_update_that_scales_kv(family, quant, tiny_models, gen):
     path = sharp(tiny_models, family)
-    e = engine(path, quant=quant, dtype="bf16", kv_cache_dtype="fp8", max_batch=8, max_len=128)
+    e = engine(
+        path, rollout_config=quant, dtype="bf16", kv_cache_dtype="fp8", max_batch=8, max_len=128
+    )
     rollouts(e, gen, n=8, max_tokens=24, seed=1)  # fills the calibration set
     probe = rollouts(e, gen, n=4, max_tokens=24, seed=2)
     e.calibrate_kv()
@@ -433,7 +435,7 @@ def test_layerwise_calibration_equals_model_calibration(family, quant, tiny_mode
     """`calibrate_from_weights` (one layer at a time from named tensors: the vLLM backend's path)
     gives the statistics of a whole-model forward."""
     path = tiny_models(family, **({"sliding_window": 8} if family == "mistral" else {}))
-    e = engine(path, quant=quant)
+    e = engine(path, rollout_config=quant)
     seqs = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 30, 17)]
     whole = calibrate_model(e.model, seqs, include_q=True)
     config = ModelConfig.from_model_dir(path)
@@ -552,14 +554,16 @@ def test_engine_reads_kv_fields_from_the_rollout_config(tiny_models, tmp_path):
 
     path = tiny_models("qwen2")
     config = RolloutConfig(quant="int8", kv_cache_dtype="fp8", kv_scale="dynamic")
-    e = engine(path, quant=config)
+    e = engine(path, rollout_config=config)
     assert e.kv_scale_granularity == "token" and not e.kv_calibrated
     e.generate([[5, 6]], SamplingParams(max_tokens=2, seed=0))
     assert e.cache.k[0].dtype == FP8 and e.cache.k_token_scale
     yaml = config.to_yaml(tmp_path / "flashrl.yaml")
-    assert engine(path, quant=str(yaml), kv_scale="calibrated").kv_calibrated
+    assert engine(path, rollout_config=str(yaml), kv_scale="calibrated").kv_calibrated
     assert (
-        engine(path, quant=str(yaml), kv_cache_dtype="bf16", kv_scale=None).config.kv_cache_dtype
+        engine(
+            path, rollout_config=str(yaml), kv_cache_dtype="bf16", kv_scale=None
+        ).config.kv_cache_dtype
         == "bf16"
     )
 

@@ -4,10 +4,9 @@ Layers, bottom to top (a module imports only from lower layers, and from its own
 
     core < quant < model < engine, vllm_backend < correction < rl < profile, verify, bench < cli
 
-(`flashrl.config`, re-exports of `flashrl.core`, sits just above `core`.) `errors`, `fileio`,
-`utils`, `testing`, `masked` and `calibration_prompts` are utilities: anyone may import them, and
-they import only each other. Every import counts, at module level or inside a function, except those
-under ``if TYPE_CHECKING:``. A second test checks that the module-level imports between flashrl
+`errors`, `fileio`, `utils`, `testing`, `masked` and `calibration_prompts` are utilities: anyone may
+import them, and they import only each other. Every import counts, at module level or inside a
+function, except those under ``if TYPE_CHECKING:``. A second test checks that the module-level imports between flashrl
 modules have no cycle (imports inside functions run later and may close a cycle on purpose).
 """
 
@@ -23,7 +22,6 @@ import flashrl
 SRC = Path(flashrl.__file__).parent
 LAYERS = {
     "core": 0,
-    "config": 1,  # flashrl.config: re-exports of flashrl.core
     "quant": 2,
     "model": 3,
     "engine": 4,

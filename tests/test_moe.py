@@ -144,13 +144,13 @@ def test_skip_keeps_experts_in_high_precision(tiny_models, gen):
     from flashrl.quant.linear import DenseLinear, QuantLinear
 
     path = tiny_models("qwen2_moe")
-    e = engine(path, quant="int8", skip=("*.experts",))
+    e = engine(path, rollout_config="int8", skip=("*.experts",))
     block = e.model.layers[0].mlp
     assert isinstance(block.experts.gate_up_proj, DenseExperts)
     assert isinstance(block.gate, DenseLinear) and isinstance(block.shared_expert_gate, DenseLinear)
     assert isinstance(block.shared_expert.gate_up_proj, QuantLinear)
     assert isinstance(e.model.layers[0].self_attn.qkv_proj, QuantLinear)
-    quantized = engine(path, quant="int8").model.layers[0].mlp.experts.down_proj
+    quantized = engine(path, rollout_config="int8").model.layers[0].mlp.experts.down_proj
     assert isinstance(quantized, QuantExperts)
 
 
@@ -171,6 +171,6 @@ def test_skipping_one_expert_tensor_keeps_that_layers_experts_dense(family, tiny
     moe = e0.model_config.moe
     first, last = moe.sparse_layers[0], moe.sparse_layers[-1]
     name = f"model.layers.{first}.mlp.experts.3.down_proj"
-    e = engine(path, quant="int8", skip=(name,))
+    e = engine(path, rollout_config="int8", skip=(name,))
     assert isinstance(e.model.layers[first].mlp.experts.gate_up_proj, DenseExperts)
     assert isinstance(e.model.layers[last].mlp.experts.gate_up_proj, QuantExperts)

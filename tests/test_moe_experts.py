@@ -157,7 +157,7 @@ def test_expert_update_equals_fresh_engine(scheme, family, names, moe_pair):
     experts) or by the checkpoint's per-expert names, equals a fresh engine of the new checkpoint;
     no storage moves."""
     base, hf, new = moe_pair[family]
-    e = engine(base, quant=scheme)
+    e = engine(base, rollout_config=scheme)
     before = pointers(e)
     if names == "fused":
         items = list(hf.named_parameters())
@@ -168,7 +168,7 @@ def test_expert_update_equals_fresh_engine(scheme, family, names, moe_pair):
     random.Random(0).shuffle(items)
     result = e.update_weights(items, count_changed=True)
     assert pointers(e) == before, "storage moved during update_weights"
-    assert_same(e, engine(new, quant=scheme))
+    assert_same(e, engine(new, rollout_config=scheme))
     if scheme != "bf16":
         assert 0 < result["codes_changed_frac"] <= 1
 
@@ -201,8 +201,8 @@ def test_partial_and_single_expert_updates(scheme, family, moe_pair, tmp_path):
     for i in range(c.num_experts):
         expected[f"{prefix0}{i}.{down}.weight"] = fresh[f"{prefix0}{i}.{down}.weight"]
     assert torch.equal(expected[f"{prefix0}3.{down}.weight"], fused[3])  # the fused layout
-    want = engine(write_checkpoint(tmp_path / "expected", expected, base), quant=scheme)
-    e = engine(base, quant=scheme)
+    want = engine(write_checkpoint(tmp_path / "expected", expected, base), rollout_config=scheme)
+    e = engine(base, rollout_config=scheme)
     for call in reversed(single):
         e.update_weights(call)
     e.update_weights([(fused_name, fused)])
@@ -214,7 +214,7 @@ def test_bad_expert_updates_leave_engine_unchanged(scheme, moe_pair):
     """A NaN in one expert (per-expert or fused), a wrong fused shape, an expert index beyond E:
     a `WeightError` naming the tensor, and every engine byte unchanged (valid tensors came first)."""
     base, hf, _ = moe_pair["qwen3_moe"]
-    e = engine(base, quant=scheme)
+    e = engine(base, rollout_config=scheme)
     before = snapshot(e)
     params = dict(hf.named_parameters())
     good = [(n, params[n].detach()) for n in ("model.layers.0.mlp.experts.gate_up_proj",)]
@@ -287,8 +287,8 @@ def test_cuda_experts_equal_cpu_and_logits_follow(scheme, moe_pair):
     ones bit for bit, and the engine's fp32 logits stay within 0.1 of the CPU engine's (GEMM
     kernels differ; unmeasured on GPU so far)."""
     base = moe_pair["qwen3_moe"][0]
-    cpu = engine(base, quant=scheme)
-    cuda = engine(base, quant=scheme, device="cuda")
+    cpu = engine(base, rollout_config=scheme)
+    cuda = engine(base, rollout_config=scheme, device="cuda")
     for name, t in cpu.model.named_buffers():
         if ".experts." in name:
             assert torch.equal(raw(t), raw(dict(cuda.model.named_buffers())[name].cpu())), name

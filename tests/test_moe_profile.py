@@ -36,7 +36,9 @@ def test_profile_reports_every_expert(tiny_models):
     # a recommendation flags the layer's experts; the engine then keeps them (only them) in bf16
     flagged = recommend_skip(doc["layers"], "int8", threshold=0.0)
     skip = [n for f in flagged for n in f["names"] if ".experts." in n][:1]
-    engine = Engine(path, quant="int8", skip=skip, dtype="fp32", device="cpu", progress=False)
+    engine = Engine(
+        path, rollout_config="int8", skip=skip, dtype="fp32", device="cpu", progress=False
+    )
     layer = int(skip[0].split(".")[2])
     assert isinstance(engine.model.layers[layer].mlp.experts.down_proj, DenseExperts)
     others = [i for i in moe.sparse_layers if i != layer]
@@ -50,7 +52,7 @@ def test_expert_weight_error_is_the_engines(tiny_models, gen):
     holds the codes of the engine's QuantExperts for that expert."""
     path = tiny_models("mixtral")
     ref = Engine(path, dtype="fp32", device="cpu", progress=False)
-    q = Engine(path, quant="fp8", dtype="fp32", device="cpu", progress=False)
+    q = Engine(path, rollout_config="fp8", dtype="fp32", device="cpu", progress=False)
     dense = ref.model.layers[1].mlp.experts.gate_up_proj
     stacked = q.model.layers[1].mlp.experts.gate_up_proj
     for e in (0, 5):

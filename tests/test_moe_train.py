@@ -69,7 +69,7 @@ def test_train_step_syncs_experts_through_named_parameters(scheme, moe_policy, t
     metrics = trainer.train_step()
     assert not torch.equal(before, trainer.policy.model.layers[0].mlp.experts.down_proj)
     saved = trainer.save_checkpoint()
-    fresh = Engine(saved, quant=scheme, dtype="fp32", device="cpu", progress=False)
+    fresh = Engine(saved, rollout_config=scheme, dtype="fp32", device="cpu", progress=False)
     assert_same(trainer.backend, fresh)
     assert "rollout_corr/k3_kl" in metrics
 

@@ -327,7 +327,7 @@ def test_setup_round_trips_into_a_config_the_engine_applies(
     )
     assert resolve_config(str(out)) == config  # what `flashrl train`'s rollout.file uses
     assert_engine_skips_outlier_layer(
-        Engine(model, quant=str(out), device="cpu", progress=False, max_len=64)
+        Engine(model, rollout_config=str(out), device="cpu", progress=False, max_len=64)
     )
     monkeypatch.setenv("FLASHRL_CONFIG", str(out))
     assert from_env() == config

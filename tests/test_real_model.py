@@ -112,7 +112,9 @@ def test_engine_logprobs_equal_transformers_on_chat_prompts(fp32_dir, chat_ids):
     from flashrl.core.sampling import SamplingParams
     from flashrl.engine.engine import Engine
 
-    engine = Engine(fp32_dir, quant="bf16", dtype="fp32", max_batch=8, max_len=128, progress=False)
+    engine = Engine(
+        fp32_dir, rollout_config="bf16", dtype="fp32", max_batch=8, max_len=128, progress=False
+    )
     outs = engine.generate(chat_ids, SamplingParams(temperature=1.0, max_tokens=12, seed=0))
     sequences = [o.prompt_ids + o.response_ids for o in outs]
     for out, ref in zip(outs, _reference_logprobs(fp32_dir, sequences)):
@@ -137,10 +139,10 @@ The bounds catch a broken path (a wrong scale gives KL > 1), not a regression of
 def test_quantized_engines_load_it_and_stay_within_mismatch_bounds(bf16_dir, chat_ids):
     from flashrl.engine.engine import Engine
 
-    reference = Engine(bf16_dir, quant="bf16", dtype="fp32", max_len=128, progress=False)
+    reference = Engine(bf16_dir, rollout_config="bf16", dtype="fp32", max_len=128, progress=False)
     kls = {}
     for scheme in MISMATCH_BOUNDS:
-        engine = Engine(bf16_dir, quant=scheme, dtype="bf16", max_len=128, progress=False)
+        engine = Engine(bf16_dir, rollout_config=scheme, dtype="bf16", max_len=128, progress=False)
         total, count = 0.0, 0
         for ids in chat_ids:
             p = torch.log_softmax(reference.logits(ids).double(), -1)

@@ -23,6 +23,7 @@ from flashrl.model.remote_code import check_no_custom_code
 from flashrl.rl.config_build import build_config
 from flashrl.rl.trainer import Trainer
 from flashrl.testing import save_tiny_model
+from shorthand import dotted
 
 FLASHRL = Path(sys.executable).parent / "flashrl"
 PROMPT = "Do you wish to run the custom code"
@@ -250,7 +251,6 @@ def test_resume_refuses_a_checkpoint_that_asks_for_code(tiny, tmp_path, manifest
     and the run directory is unchanged. With its manifest the edited config.json is found as
     damage first; without one (an older checkpoint, or an attacker who removed it) the auto_map
     check refuses it."""
-    from flashrl.rl.legacy import LEGACY_NAMES
 
     def config(**extra):
         values = dict(
@@ -259,9 +259,7 @@ def test_resume_refuses_a_checkpoint_that_asks_for_code(tiny, tmp_path, manifest
             plot=False, device="cpu", rollout_dtype="fp32", reward="exact_match",
         )  # fmt: skip
         values.update(extra)
-        return build_config(
-            "tiny-cpu", None, {LEGACY_NAMES.get(k, k): v for k, v in values.items()}
-        )
+        return build_config("tiny-cpu", None, dotted(values))
 
     Trainer(config()).train()
     checkpoint = tmp_path / "run" / "checkpoint-1"

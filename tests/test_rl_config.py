@@ -1,13 +1,12 @@
 """`TrainConfig` as nested groups: YAML of the same shape, dotted flags, the flat names of flashrl 0.1
-(renamed with a warning), checkpoints that store either shape, and the one dataclass-to-flags
-helper every subcommand uses. Nothing here trains."""
+(refused, naming the new name), checkpoint configs, and the one dataclass-to-flags helper every
+subcommand uses. Nothing here trains."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
-import warnings
+from pathlib import Path
 
 import pytest
 import yaml
@@ -15,16 +14,18 @@ import yaml
 import flashrl.rl.run
 from flashrl.core.config import RolloutConfig
 from flashrl.correction import CorrectionConfig
-from flashrl.errors import ConfigError
+from flashrl.errors import CheckpointError, ConfigError
 from flashrl.rl.checkpoint import config_differences
 from flashrl.rl.config import RESUME_FREE_FIELDS, TrainConfig, field_names
 from flashrl.rl.config_build import build_config, stored_values
-from flashrl.rl.legacy import LEGACY_NAMES
+from flashrl.rl.plan import check_resume_config
+from flashrl.rl.renamed import RENAMED
 from flashrl.rl.values import coerce
 from flashrl.tools import args as flags
 from flashrl.tools.cli import build_parser, main
 
 # every flat field of flashrl 0.1's TrainConfig, with the value `flashrl train` wrote to config.yaml
+# (refused everywhere now; the table of new names must cover them all)
 FLAT_CONFIG = dict(
     model=None,
     data=None,
@@ -96,10 +97,10 @@ def no_training(monkeypatch):
 
 
 def test_every_old_name_has_a_new_field():
-    assert set(LEGACY_NAMES) | {"model"} == set(FLAT_CONFIG)
-    new = set(field_names()) | {"rollout.file", "correction.cap"}
-    assert set(LEGACY_NAMES.values()) <= new
-    assert len(set(LEGACY_NAMES.values())) == len(LEGACY_NAMES)  # one new name per old one
+    """The refusal messages name fields that exist (``rollout.file`` is a flag, not a field)."""
+    assert set(RENAMED) | {"model"} == set(FLAT_CONFIG)
+    assert set(RENAMED.values()) <= set(field_names()) | {"rollout.file"}
+    assert len(set(RENAMED.values())) == len(RENAMED)  # one new name per old one
 
 
 def test_yaml_of_the_nested_shape_round_trips(tmp_path):
@@ -153,87 +154,63 @@ def test_dotted_flags_reach_the_config(no_training, flashrl_logger):
     assert config.algo.group_size == 8  # the preset's
 
 
-def test_old_flat_flags_still_work_and_warn(no_training, flashrl_logger, caplog):
-    with caplog.at_level(logging.WARNING, logger="flashrl"):
-        assert (
-            main(
-                [
-                    "train",
-                    "--tis-cap",
-                    "0",
-                    "--rollout-quant",
-                    "fp8",
-                    "--steps",
-                    "10",
-                    "--plot=false",
-                ]
-            )
-            == 0
-        )
-    old = no_training[-1]
-    assert (
-        main(
-            [
-                "train",
-                "--correction.weight",
-                "none",
-                "--rollout.quant",
-                "fp8",
-                "--run.steps",
-                "10",
-                "--run.plot",
-                "false",
-            ]
-        )
-        == 0
-    )
-    assert old == no_training[-1]
-    err = caplog.text
-    assert (
-        "tis_cap (--tis-cap) is deprecated" in err
-        and "use correction.cap (--correction.cap)" in err
-    )
-    assert "rollout_quant (--rollout-quant) is deprecated" in err and "use rollout.quant" in err
+def refused(capsys, argv):
+    """`flashrl train ARGV` exits 2 with one error line and no traceback; returns the message."""
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flashrl train: error: "), err
+    assert "Traceback" not in err
+    return lines[0].removeprefix("flashrl train: error: ")
 
 
-def test_old_flat_yaml_and_overrides_still_work(tmp_path):
+def test_old_flat_flags_are_refused_naming_the_new_flags(no_training, flashrl_logger, capsys):
+    message = refused(capsys, ["--tis-cap", "0", "--rollout-quant", "fp8", "--steps", "10"])
+    assert message == (
+        "--tis-cap was renamed: use --correction.cap; --tis-cap 0 is now --correction.weight "
+        "none; --rollout-quant was renamed: use --rollout.quant; --steps was renamed: use "
+        "--run.steps"
+    )
+    assert no_training == []
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lr", "0.001"], "--lr was renamed: use --algo.lr"),
+        (["--plot=false"], "--plot was renamed: use --run.plot"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype was renamed: use --rollout.kv-cache-dtype"),
+        (["--data", "d.jsonl"], "--data was renamed: use --data.path"),
+        (["--correction", "seq_tis"], "--correction was renamed: use --correction.weight"),
+        (["--rollout_config", "f.yaml"], "--rollout_config was renamed: use --rollout.file"),
+        (["--lr", "0.1", "--algo.lr", "0.2"], "--lr was renamed: use --algo.lr"),
+    ],
+)
+def test_each_old_flag_is_one_clean_line(argv, message, no_training, flashrl_logger, capsys):
+    assert refused(capsys, argv).startswith(message)
+    assert no_training == []
+
+
+def test_old_flat_yaml_keys_and_overrides_are_refused(tmp_path):
     path = tmp_path / "old.yaml"
-    path.write_text(
-        "steps: 7\nlr: 0.5\nrollout_quant: fp8\ncorrection: seq_tis\ntis_cap: 3\ndata: d.jsonl\n"
-        "correction_band: null\n"
+    path.write_text("steps: 7\nlr: 0.5\nrollout_quant: fp8\ncorrection: seq_tis\ndata: d.jsonl\n")
+    with pytest.raises(ConfigError) as err:
+        build_config("tiny-cpu", str(path), {})
+    assert str(err.value) == (
+        f"{path}: steps was renamed: use run.steps; lr was renamed: use algo.lr; rollout_quant "
+        f"was renamed: use rollout.quant; correction was renamed: use correction.weight; data "
+        f"was renamed: use data.path"
     )
-    with pytest.warns(
-        DeprecationWarning, match=r"old.yaml: steps \(--steps\) is deprecated.*use run.steps"
-    ):
-        old = build_config("tiny-cpu", str(path), {"max_batch": "4"})
-    new = build_config(
-        "tiny-cpu",
-        None,
-        {
-            "run.steps": 7,
-            "algo.lr": 0.5,
-            "rollout.quant": "fp8",
-            "correction.weight": "seq_tis",
-            "correction.cap": 3,
-            "data.path": "d.jsonl",
-            "run.max_batch": 4,
-        },
-    )
-    assert old == new
+    with pytest.raises(ConfigError, match=r"^overrides: max_batch was renamed: use run.max_batch$"):
+        build_config("tiny-cpu", None, {"max_batch": "4"})
+    with pytest.raises(ConfigError, match="tis_cap was renamed: use correction.cap; tis_cap 0 is"):
+        build_config("tiny-cpu", None, {"tis_cap": 0})
+    path.write_text("run:\n  steps: 7\nalgo:\n  lr: 0.5\ndata:\n")  # the new spelling loads
+    config = build_config("tiny-cpu", str(path), {"run.max_batch": "4"})
+    assert (config.run.steps, config.algo.lr, config.run.max_batch) == (7, 0.5, 4)
 
 
-def test_tis_cap_zero_is_weight_none_whatever_layer_sets_it():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        config = build_config("tiny-cpu", None, {"tis_cap": "0"})
-        assert config.correction == CorrectionConfig(weight="none")
-        assert (
-            build_config(None, None, {"correction": "token_mis", "tis_cap": 0}).correction.weight
-            == "token_mis"
-        )
-
-
-def test_group_names_take_mappings_and_old_names_values(tmp_path):
+def test_group_names_take_mappings(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("correction: {weight: seq_tis, cap: 4}\ndata: {path: d.jsonl}\n")
     config = build_config(None, str(path), {})
@@ -266,33 +243,45 @@ def test_rollout_file_is_the_base_of_the_rollout_group(tmp_path):
         build_config(None, None, {"rollout.file": str(tmp_path / "missing.yaml")})
 
 
-def test_an_old_flat_checkpoint_config_compares_with_a_nested_one():
+def test_checkpoint_configs_compare_and_an_old_flat_one_is_refused():
     current = build_config("tiny-cpu", None, {})
     free = set(RESUME_FREE_FIELDS)
-    assert config_differences(stored_values(FLAT_CONFIG), current.flat_dict(), free) == []
     assert config_differences(stored_values(current.to_dict()), current.flat_dict(), free) == []
     changed = build_config(
         "tiny-cpu", None, {"run.seed": 3, "correction.weight": "none", "run.steps": 5}
     )
-    diffs = config_differences(stored_values(FLAT_CONFIG), changed.flat_dict(), free)
+    diffs = config_differences(stored_values(current.to_dict()), changed.flat_dict(), free)
     assert diffs == [
         "correction.weight: 'token_tis' in the checkpoint, 'none' now",
         "run.seed: 0 in the checkpoint, 3 now",
     ]
+    # a flat config is not translated: nothing under the new names would be compared
+    with pytest.raises(CheckpointError, match=r"ckpt stores its config in flashrl 0.1's flat"):
+        check_resume_config(changed, Path("ckpt"), FLAT_CONFIG)
+    with pytest.raises(CheckpointError, match="rollout_quant.*--run.resume-allow-changes all"):
+        stored_values(FLAT_CONFIG)
+    anyway = build_config(None, None, {"run.resume_allow_changes": "all"})
+    check_resume_config(anyway, Path("ckpt"), FLAT_CONFIG)  # the comparison is skipped
 
 
-def test_resume_allow_changes_takes_groups_and_old_names():
+def test_resume_allow_changes_takes_groups_and_refuses_old_names():
     def allowed(value):
         return build_config(None, None, {"run.resume_allow_changes": value}).resume_allowed()
 
     assert allowed("run.seed") == {"run.seed"}
-    assert allowed("seed,rollout_quant") == {"run.seed", "rollout.quant"}
+    assert allowed("run.seed,rollout.quant") == {"run.seed", "rollout.quant"}
     assert allowed("correction") == {
         f"correction.{f.name}" for f in dataclasses.fields(CorrectionConfig)
     }
     assert allowed("all") is None
     with pytest.raises(ConfigError, match="unknown field.*run.sede"):
         allowed("run.sede")
+    with pytest.raises(
+        ConfigError,
+        match=r"run.resume_allow_changes: seed was renamed: use run.seed; rollout_quant was "
+        r"renamed: use rollout.quant$",
+    ):
+        allowed("seed,rollout_quant")
 
 
 def test_validation_names_the_dotted_field():
@@ -406,12 +395,3 @@ def test_every_subcommand_takes_its_flags_from_dataclasses():
     train = parser._subparsers._group_actions[0].choices["train"]
     dests = {a.dest for a in train._actions}
     assert set(field_names()) <= dests
-
-
-def test_legacy_warnings_are_logged_once_per_flag(no_training, flashrl_logger, caplog):
-    with caplog.at_level(logging.WARNING, logger="flashrl"):
-        assert main(["train", "--lr", "0.001"]) == 0
-    assert [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()] == [
-        "overrides: lr (--lr) is deprecated and will be removed in the next release; use algo.lr (--algo.lr)"
-    ]
-    assert no_training[0].algo.lr == 0.001

@@ -14,9 +14,9 @@ import torch
 
 from flashrl.errors import CheckpointError, ConfigError
 from flashrl.rl.config_build import build_config
-from flashrl.rl.legacy import LEGACY_NAMES
 from flashrl.rl.trainer import Trainer, read_metrics
 from flashrl.testing import save_tiny_model
+from shorthand import dotted
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +51,7 @@ def small_config(model_dir, out, **overrides):
         reward="text_length",
     )
     values.update(overrides)
-    return build_config("tiny-cpu", None, {LEGACY_NAMES.get(k, k): v for k, v in values.items()})
+    return build_config("tiny-cpu", None, dotted(values))
 
 
 def train(model_dir, out, **overrides) -> Trainer:
@@ -137,7 +137,7 @@ def test_resume_checks_the_config_against_the_checkpoint(policy_dir, tmp_path):
     ):
         Trainer(small_config(policy_dir, out, steps=2, resume="latest", seed=3, group_size=8))
     with pytest.raises(CheckpointError, match="rollout.quant"):
-        Trainer(small_config(policy_dir, out, steps=2, resume="latest", rollout_quant="fp8"))
+        Trainer(small_config(policy_dir, out, steps=2, resume="latest", quant="fp8"))
     # steps, lr and output settings may change; others with resume_allow_changes
     assert (
         Trainer(small_config(policy_dir, out, steps=3, lr=1e-3, save_every=1, resume="latest")).step

@@ -8,13 +8,14 @@ import pytest
 import torch
 import yaml
 
+from flashrl.errors import ConfigError
 from flashrl.rl.config import TrainConfig
 from flashrl.rl.config_build import build_config
-from flashrl.rl.legacy import LEGACY_NAMES
 from flashrl.rl.trainer import Trainer, read_metrics
 from flashrl.testing import save_tiny_model
 from flashrl.tools.cli import main
 from flashrl.tools.train import parse_overrides
+from shorthand import dotted
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +53,7 @@ def small_config(model_dir, out, **overrides) -> TrainConfig:
         reward="text_length",
     )
     values.update(overrides)
-    return build_config("tiny-cpu", None, {LEGACY_NAMES.get(k, k): v for k, v in values.items()})
+    return build_config("tiny-cpu", None, dotted(values))
 
 
 # ------------------------------------------------------------------------------------ config
@@ -110,17 +111,18 @@ def test_config_file_and_preset_errors(tmp_path):
     )  # clean CLI error, no traceback
 
 
-def test_tis_cap_zero_turns_importance_weights_off():
-    with pytest.warns(DeprecationWarning, match="tis_cap"):
-        assert build_config(None, None, {"tis_cap": 0}).correction.weight == "none"
+def test_importance_weights_default_to_token_tis_and_turn_off_by_weight_none():
     assert TrainConfig().correction.weight == "token_tis" and TrainConfig().correction.cap == 2.0
+    assert build_config(None, None, {"correction.weight": "none"}).correction.weight == "none"
+    with pytest.raises(ConfigError, match="tis_cap 0 is now correction.weight none"):
+        build_config(None, None, {"tis_cap": 0})  # flashrl 0.1's way is refused, not translated
 
 
 # ------------------------------------------------------------------------------------ training
 
 
 def test_one_step_updates_weights_and_syncs_the_engine(policy_dir, tmp_path):
-    trainer = Trainer(small_config(policy_dir, tmp_path / "run", rollout_quant="bf16"))
+    trainer = Trainer(small_config(policy_dir, tmp_path / "run", quant="bf16"))
     before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
     metrics = trainer.train_step()
     changed = [k for k, v in trainer.policy.state_dict().items() if not torch.equal(v, before[k])]
@@ -149,7 +151,7 @@ def test_one_step_updates_weights_and_syncs_the_engine(policy_dir, tmp_path):
 
 
 def test_int8_engine_follows_the_trainer(policy_dir, tmp_path):
-    trainer = Trainer(small_config(policy_dir, tmp_path / "run", rollout_quant="int8", lr=5e-2))
+    trainer = Trainer(small_config(policy_dir, tmp_path / "run", quant="int8", lr=5e-2))
     ids = list(range(5, 25))
     stale = trainer.backend.logits(ids)
     trainer.train_step()
@@ -232,11 +234,11 @@ def test_checkpoint_loads_in_engine_and_transformers(policy_dir, tmp_path):
 
 def test_bad_inputs(policy_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="dataset file .*missing.jsonl.* does not exist"):
-        Trainer(small_config(policy_dir, tmp_path / "a", data=str(tmp_path / "missing.jsonl")))
+        Trainer(small_config(policy_dir, tmp_path / "a", path=str(tmp_path / "missing.jsonl")))
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"problem": "1+1", "solution": "2"}) + "\n")
     with pytest.raises(ValueError, match="fields found: problem, solution"):
-        Trainer(small_config(policy_dir, tmp_path / "b", data=str(data)))
+        Trainer(small_config(policy_dir, tmp_path / "b", path=str(data)))
     no_tok = save_tiny_model(tmp_path / "no-tok", "qwen2")
     with pytest.raises(FileNotFoundError, match="has no tokenizer"):
         Trainer(small_config(no_tok, tmp_path / "c"))

@@ -118,7 +118,7 @@ def test_processed_logprobs_match_recomputation(model_dir, scheme, dtype):
 
     builtin = Engine(
         model_dir,
-        quant=scheme,
+        rollout_config=scheme,
         dtype="fp32" if dtype == "float32" else "bf16",
         device="cpu",
         progress=False,

@@ -335,7 +335,7 @@ def test_logprobs_agree_with_the_builtin_engine(tmp_path, family, scheme, eager)
     from flashrl.engine import Engine
 
     path = save_tiny_moe_model(tmp_path / family, family=family)
-    builtin = Engine(path, quant=scheme, dtype="fp32", device="cpu", progress=False)
+    builtin = Engine(path, rollout_config=scheme, dtype="fp32", device="cpu", progress=False)
     settings = {**LLM_ARGS, "dtype": "float32", "enforce_eager": eager}
     llm = vllm.LLM(str(path), **engine_kwargs(scheme), **settings)
     try:

@@ -1,4 +1,4 @@
-"""`flashrl train --backend vllm`: the tiny preset runs three steps with vLLM rollouts (int8 via the
+"""`flashrl train --run.backend vllm`: the tiny preset runs three steps with vLLM rollouts (int8 via the
 flashrl plugin, per-step weight push) and logs the mismatch metrics."""
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def checkpoint(model_dir) -> dict[str, torch.Tensor]:
 
 
 def engine(path, quant: str, dtype: str) -> Engine:
-    return Engine(path, quant=quant, dtype=dtype, device="cpu", progress=False)
+    return Engine(path, rollout_config=quant, dtype=dtype, device="cpu", progress=False)
 
 
 def perturbed(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from flashrl.config import parse_bool
+from flashrl.core.env import parse_bool
 from flashrl.errors import ConfigError
 from flashrl.masked import is_number
 

@@ -33,7 +33,7 @@ from flashrl.engine.options import EngineConfig, EngineOptions
 from flashrl.engine.runner import ModelRunner
 from flashrl.engine.sampler import SampledTokens, SamplingTables
 from flashrl.engine.scheduler import Request, Scheduler, Step, sample_into
-from flashrl.errors import ConfigError, InputError
+from flashrl.errors import InputError
 from flashrl.model.config import ModelConfig
 from flashrl.model.decoder import Decoder
 from flashrl.model.kv_calibration import KVScales
@@ -64,12 +64,8 @@ class Engine:
         `engine_config` says (`EngineConfig`: device, dtype, KV-cache size, compilation).
 
         Keyword `overrides` are shorthand: an `EngineConfig` field (``max_batch=8``) or a
-        `RolloutConfig` field of `ROLLOUT_OVERRIDES`; ``quant=`` is `rollout_config` under its
-        older name. Anything else is a `ConfigError`."""
-        if "quant" in overrides:
-            if rollout_config is not None:
-                raise ConfigError("give rollout_config or quant, not both (quant is its old name)")
-            rollout_config = overrides.pop("quant")
+        `RolloutConfig` field of `ROLLOUT_OVERRIDES`. Anything else is a `ConfigError` (also
+        ``quant=``, the old name of `rollout_config`)."""
         engine, rollout_overrides = EngineConfig.split_overrides(engine_config, overrides)
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_model_dir(self.model_dir)

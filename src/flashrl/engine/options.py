@@ -71,7 +71,13 @@ class EngineConfig:
         cls, base: EngineConfig | None, overrides: dict[str, Any]
     ) -> tuple[EngineConfig, dict[str, Any]]:
         """`base` with the `overrides` that name its fields applied, and the `RolloutConfig`
-        overrides (`ROLLOUT_OVERRIDES`); any other name is a `ConfigError`."""
+        overrides (`ROLLOUT_OVERRIDES`); any other name is a `ConfigError`, and ``quant`` (the
+        old name of `rollout_config`) one that names the new spelling."""
+        if "quant" in overrides:
+            raise ConfigError(
+                f"Engine: quant= was renamed: pass the scheme as rollout_config, "
+                f"Engine(model, {overrides['quant']!r}) or rollout_config={overrides['quant']!r}"
+            )
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - fields - set(ROLLOUT_OVERRIDES))
         if unknown:

@@ -11,8 +11,8 @@
 
 Precedence (`flashrl.rl.config_build.build_config`): dataclass defaults < preset (`--preset`,
 default `tiny-cpu`) < YAML file (`--config`, the same nesting) < command-line flags. The flat
-names of flashrl 0.1 (``--rollout-quant``, ``tis_cap``) still work for one release, with a warning
-(`flashrl.rl.legacy`). Validation errors name the field, the value and what is allowed.
+names of flashrl 0.1 (``--rollout-quant``, ``tis_cap``) are refused, naming the new name
+(`flashrl.rl.renamed`). Validation errors name the field, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from flashrl.rl.backends import backend_names
 from flashrl.rl.compare import compare_variants
 from flashrl.rl.config_checks import check_numbers, check_policy_loss, check_workers
 from flashrl.rl.data import DataConfig, prompt_source
-from flashrl.rl.legacy import LEGACY_NAMES
 from flashrl.rl.policy_loss import POLICY_LOSSES
+from flashrl.rl.renamed import RENAMED, refuse
 from flashrl.rl.rewards import REWARDS
 
 ROLLOUT_DTYPES = ("bf16", "fp16", "fp32")
@@ -294,15 +294,18 @@ class TrainConfig:
 
     def resume_allowed(self) -> set[str] | None:
         """Dotted fields `run.resume_allow_changes` lets differ from the checkpoint's config (None:
-        all of them). A group name stands for its fields (also ``data`` and ``correction``, which
-        were field names in 0.1); an old flat name for its new name."""
+        all of them). A group name stands for its fields; an old flat name of flashrl 0.1 is a
+        ConfigError naming its new name."""
         value = (self.run.resume_allow_changes or "").strip()
         if value.lower() in ("all", "true"):
             return None
         names, unknown = set(), []
         known = set(field_names())
-        for name in (n.strip() for n in value.split(",") if n.strip()):
-            name = name if name in GROUPS else LEGACY_NAMES.get(name, name)
+        given = [n.strip() for n in value.split(",") if n.strip()]
+        renamed = [n for n in given if n in RENAMED and n not in GROUPS]
+        if renamed:
+            raise refuse(renamed, "run.resume_allow_changes")
+        for name in given:
             matched = {k for k in known if k == name or k.startswith(name + ".")}
             names |= matched
             if not matched:

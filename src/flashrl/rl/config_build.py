@@ -1,9 +1,9 @@
 """`build_config`: a preset, a YAML file and command-line flags merged into a `TrainConfig`.
 
-Every layer is a mapping in one of three spellings, all read the same way: nested like the YAML
-file (``algo: {lr: 0.001}``), dotted like the flags (``algo.lr``), or the flat names of flashrl 0.1
-(``lr``, renamed with a DeprecationWarning, `flashrl.rl.legacy`). Values are converted to the
-field's type (`flashrl.rl.values.coerce`); the correction group is parsed by
+Every layer is a mapping in one of two spellings, both read the same way: nested like the YAML
+file (``algo: {lr: 0.001}``) or dotted like the flags (``algo.lr``). A flat name of flashrl 0.1
+(``lr``, ``tis_cap``) is a ConfigError naming its new name (`flashrl.rl.renamed`). Values are
+converted to the field's type (`flashrl.rl.values.coerce`); the correction group is parsed by
 `CorrectionConfig.from_dict` (it takes verl-style strings such as ``"0.5_5.0"``).
 
 ``rollout.file`` names a rollout config (a ``flashrl.yaml`` from `flashrl setup`, or a scheme
@@ -20,14 +20,21 @@ from typing import Any
 
 from flashrl.core.config import RolloutConfig, read_yaml, resolve_config
 from flashrl.correction import CorrectionConfig
-from flashrl.errors import ConfigError
+from flashrl.errors import CheckpointError, ConfigError
 from flashrl.rl.config import DEFAULT_ROLLOUT, GROUPS, TrainConfig, field_types, flatten
-from flashrl.rl.legacy import SHORT_NAMES, TIS_CAP, is_legacy, rename, resolve_tis_cap
 from flashrl.rl.presets import PRESETS
+from flashrl.rl.renamed import is_renamed, refuse
 from flashrl.rl.values import coerce
 
 ROLLOUT_FILE = "rollout.file"
-_EXTRA_TYPES = {ROLLOUT_FILE: str | None, TIS_CAP: float}
+_EXTRA_TYPES = {ROLLOUT_FILE: str | None}
+SHORT_NAMES: dict[str, str] = {
+    "rollout_workers": "run.rollout_workers",
+    "ray_address": "run.ray_address",
+    "async_rollouts": "run.async_rollouts",
+}
+"""Short flags of the distributed run (``--rollout-workers 2``, ``--ray-address auto``,
+``--async-rollouts``) as spelled in issue 14: current names beside the dotted ones."""
 _CORRECTION_STRINGS = ("correction.band", "correction.rejection", "correction.rejection_thresholds")
 
 
@@ -42,17 +49,16 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def layer_values(
-    layer: Mapping[Any, Any], source: str, path: str | None = None, warn: bool = True
-) -> dict[str, Any]:
-    """One layer (nested, dotted or old flat names) as typed values under dotted names; unknown
-    keys are a ConfigError naming `path` (or `source`) and the allowed keys, and so is a field the
-    layer sets twice (say ``lr`` and ``algo.lr``) to different values."""
+def layer_values(layer: Mapping[Any, Any], source: str, path: str | None = None) -> dict[str, Any]:
+    """One layer (nested or dotted names) as typed values under dotted names; an old flat name, an
+    unknown key, or a field the layer sets twice (say ``algo.lr`` and ``algo: {lr}``) to different
+    values is a ConfigError naming `path` (or `source`) and what to write instead."""
+    renamed = [str(key) for key, value in layer.items() if is_renamed(key, value)]
+    if renamed:
+        raise refuse(renamed, path or source)
     items: list[tuple[Any, Any, str]] = []  # (dotted key, value, the key as the layer spells it)
     for key, value in layer.items():
-        if is_legacy(key, value):
-            items.append((rename(key, path or source, warn), value, str(key)))
-        elif key in SHORT_NAMES:
+        if key in SHORT_NAMES:
             items.append((SHORT_NAMES[key], value, key))
         elif key in GROUPS and isinstance(value, Mapping):
             items += [(f"{key}.{name}", v, f"{key}: {name}") for name, v in value.items()]
@@ -66,7 +72,7 @@ def layer_values(
     types = {**field_types(), **_EXTRA_TYPES}
     unknown = sorted(str(k) for k, _, _ in items if k not in types)
     if unknown:
-        allowed = ", ".join(k for k in types if k != TIS_CAP)
+        allowed = ", ".join(types)
         raise ConfigError(
             f"unknown config key(s) in {path or source}: {', '.join(unknown)}; allowed: {allowed}"
         )
@@ -76,16 +82,12 @@ def layer_values(
 def _typed_once(
     items: list[tuple[Any, Any, str]], types: dict[str, Any], source: str, path: str | None
 ) -> dict[str, Any]:
-    """The typed values of one layer's items; a field given twice must get the same value (an old
-    flat name and its new name, nested and dotted), else a ConfigError naming both spellings."""
+    """The typed values of one layer's items; a field given twice must get the same value (nested
+    and dotted, a short flag and its dotted name), else a ConfigError naming both spellings."""
     out: dict[str, Any] = {}
     first: dict[str, tuple[str, Any]] = {}
     for key, raw, spelled in items:
         value = _typed(key, types[key], raw, path)
-        if key == TIS_CAP and "correction.cap" in out:  # tis_cap is the old correction.cap
-            key = "correction.cap"
-        elif key == "correction.cap" and TIS_CAP in out:
-            out[key], first[key] = out[TIS_CAP], first[TIS_CAP]
         if key in out and not _same(out[key], value):
             other, other_raw = first[key]
             raise ConfigError(
@@ -109,7 +111,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _typed(key: str, hint: Any, value: Any, path: str | None) -> Any:
-    if key.startswith("correction.") and key != TIS_CAP:  # parsed by CorrectionConfig.from_dict
+    if key.startswith("correction."):  # parsed by CorrectionConfig.from_dict
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
         return str(value) if key in _CORRECTION_STRINGS and numeric else value
     if key == "run.vllm_kwargs" and isinstance(value, dict):
@@ -120,8 +122,6 @@ def _typed(key: str, hint: Any, value: Any, path: str | None) -> Any:
 def from_values(values: Mapping[str, Any], explicit: set[str] | None = None) -> TrainConfig:
     """A validated `TrainConfig` from typed dotted values; `explicit` names the rollout fields that
     override a ``rollout.file`` (default: every one given)."""
-    values = dict(values)
-    resolve_tis_cap(values)
     explicit = set(values) if explicit is None else explicit
     groups: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
     for key, value in values.items():
@@ -161,14 +161,19 @@ def build_config(
     return from_values(values, explicit)
 
 
-def stored_values(stored: Mapping[str, Any]) -> dict[str, Any]:
-    """The dotted values of the config a checkpoint stores: nested, or flat from flashrl 0.1
-    (renamed silently). Read into a `TrainConfig` where it still validates, so that both sides of
-    a resume comparison spell values alike; else the values as stored."""
+def stored_values(stored: Mapping[str, Any], source: str = "checkpoint") -> dict[str, Any]:
+    """The dotted values of the config a checkpoint (named `source`) stores. Read into a
+    `TrainConfig` where it still validates, so that both sides of a resume comparison spell values
+    alike; else the values as stored. A config in flashrl 0.1's flat names is a CheckpointError:
+    it is not translated, and a comparison under new names would find no field to compare."""
+    renamed = [str(key) for key, value in stored.items() if is_renamed(key, value)]
+    if renamed:
+        raise CheckpointError(
+            f"{source} stores its config in flashrl 0.1's flat names ({', '.join(renamed)}), "
+            f"which are no longer read, so it cannot be compared with this run's config; pass "
+            f"--run.resume-allow-changes all to resume it without the comparison"
+        )
     try:
-        return from_values(layer_values(stored, "checkpoint", warn=False)).flat_dict()
+        return from_values(layer_values(stored, source)).flat_dict()
     except (ValueError, TypeError):  # ConfigError, or an old value this version refuses
-        out = {}
-        for key, value in flatten(dict(stored)).items():
-            out[rename(key, "checkpoint", warn=False) if is_legacy(key, value) else key] = value
-        return out
+        return flatten(dict(stored))

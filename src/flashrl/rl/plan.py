@@ -72,7 +72,7 @@ def check_resume_config(config: TrainConfig, path: Path, stored: dict) -> None:
     if allowed is None:
         return
     diffs = ckpt.config_differences(
-        stored_values(stored), config.flat_dict(), set(RESUME_FREE_FIELDS) | allowed
+        stored_values(stored, str(path)), config.flat_dict(), set(RESUME_FREE_FIELDS) | allowed
     )
     if diffs:
         names = ",".join(d.split(":")[0] for d in diffs)

@@ -130,7 +130,7 @@ def add_setup(sub: argparse._SubParsersAction) -> None:
         "scheme, skip list, KV-cache dtype and scale mode, "
         "lm_head_fp32, logprob mode. Use it with "
         "FLASHRL_CONFIG=flashrl.yaml, Engine(model, "
-        "quant='flashrl.yaml'), `flashrl generate --quant flashrl.yaml` "
+        "'flashrl.yaml'), `flashrl generate --quant flashrl.yaml` "
         "or --rollout.file in `flashrl train`.",
     )
     add_fields(p, setup_tool.SetupConfig)
@@ -147,10 +147,7 @@ def run_setup(args: argparse.Namespace) -> int:
     )
     for name in kept:
         print(f"  skip {name}")
-    print(
-        f"use: FLASHRL_CONFIG={cfg.out} python your_script.py   "
-        f"(or Engine(model, quant={cfg.out!r}))"
-    )
+    print(f"use: FLASHRL_CONFIG={cfg.out} python your_script.py   (or Engine(model, {cfg.out!r}))")
     return 0
 
 

@@ -91,7 +91,7 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(**{**GENERATE_DEFAULTS, **values(SamplingParams, args)})
     engine = flashrl.engine.Engine(
         flags.model,
-        quant=flags.quant,
+        rollout_config=flags.quant,
         dtype=flags.dtype,
         device=flags.device,
         max_batch=max(1, min(64, len(prompts) * params.n)),

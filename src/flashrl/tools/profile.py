@@ -174,7 +174,7 @@ def make_engine(
     )
     return Engine(
         cfg.model,
-        quant=config,
+        rollout_config=config,
         dtype=cfg.dtype,
         device=cfg.device,
         max_batch=MAX_BATCH,

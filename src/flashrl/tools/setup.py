@@ -162,7 +162,7 @@ def _header(
             f"--threshold {threshold:g}` to measure it"
         )
     lines += [
-        "use: FLASHRL_CONFIG=<this file>, Engine(model, quant=<this file>), "
+        "use: FLASHRL_CONFIG=<this file>, Engine(model, <this file>), "
         "flashrl generate --quant <this file>,",
         "     or flashrl train --rollout.file <this file>",
     ]

@@ -1,11 +1,10 @@
-"""`flashrl train`: every `TrainConfig` field as a dotted flag (``--algo.lr``), the flat flags of
-flashrl 0.1 as deprecated overrides, then `flashrl.rl.run.run`."""
+"""`flashrl train`: every `TrainConfig` field as a dotted flag (``--algo.lr``), then
+`flashrl.rl.run.run`. A flat flag of flashrl 0.1 (``--rollout-quant``) is refused, naming its new
+flag."""
 
 from __future__ import annotations
 
 import argparse
-import logging
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,11 +13,10 @@ from flashrl.rl import run as rl_run
 from flashrl.rl.config import GROUPS, TrainConfig
 from flashrl.rl.config_build import ROLLOUT_FILE, build_config
 from flashrl.rl.presets import PRESETS
+from flashrl.rl.renamed import RENAMED, refuse
 from flashrl.tools.args import add_fields
 from flashrl.tools.checks import check_device
 from flashrl.vllm_backend.install_check import require_vllm
-
-logger = logging.getLogger("flashrl")
 
 
 def add_train(sub: argparse._SubParsersAction) -> None:
@@ -31,8 +29,8 @@ def add_train(sub: argparse._SubParsersAction) -> None:
         "built-in tiny model on CPU.",
         epilog="Every TrainConfig field is a flag --group.field VALUE (defaults "
         "below are the dataclass's; the preset sets some). The flat flags of "
-        "flashrl 0.1 (--rollout-quant, --tis-cap, ...) still work, with a "
-        "warning. Example: flashrl train --rollout.quant fp8 --run.steps 20 "
+        "flashrl 0.1 (--rollout-quant, --tis-cap, ...) are refused, naming "
+        "the new flag. Example: flashrl train --rollout.quant fp8 --run.steps 20 "
         "--correction.weight none. Rollout workers on Ray: --rollout-workers N "
         "(--ray-address auto, --async-rollouts; docs/distributed.md).",
     )
@@ -68,11 +66,13 @@ def add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
-    """Flags argparse does not know, as overrides: ['--rollout-quant', 'fp8', '--plot=false'] ->
-    {'rollout_quant': 'fp8', 'plot': 'false'}; a flag with no value means 'true'. These are the
-    flat names of flashrl 0.1 (`build_config` renames them, with a warning) or unknown keys
-    (`build_config` refuses them, naming the allowed ones)."""
+    """Flags argparse does not know, as overrides: ['--rollout-workers', '2', '--async-rollouts']
+    -> {'rollout_workers': '2', 'async_rollouts': 'true'}; a flag with no value means 'true'.
+    These are the short flags of `flashrl.rl.config_build.SHORT_NAMES` or unknown keys
+    (`build_config` refuses them, naming the allowed ones); a flat flag of flashrl 0.1
+    (``--rollout-quant``) is a ConfigError naming its new flag."""
     out: dict[str, str] = {}
+    renamed: list[str] = []
     i = 0
     while i < len(tokens):
         token = tokens[i]
@@ -84,22 +84,20 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
                 value, i = tokens[i + 1], i + 1
             else:
                 value = "true"
-        out[key.replace("-", "_")] = value
+        name = key.replace("-", "_")
+        out[name] = value
+        if name in RENAMED:
+            renamed.append("--" + key)
         i += 1
+    if renamed:
+        raise refuse(renamed, flags=True)
     return out
 
 
 def run_train(args: argparse.Namespace) -> int:
     dotted = {k: v for k, v in vars(args).items() if k == "model" or "." in k}
     overrides = {**parse_overrides(args.overrides), **dotted}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", DeprecationWarning)
-        config = build_config(args.preset, args.config, overrides)
-    for warning in caught:
-        if issubclass(warning.category, DeprecationWarning):
-            logger.warning("%s", warning.message)
-        else:
-            warnings.warn(warning.message, warning.category, stacklevel=1)
+    config = build_config(args.preset, args.config, overrides)
     check_device(config.run.device, "--run.device")
     out = Path(config.run.output_dir)
     if out.exists() and not out.is_dir():

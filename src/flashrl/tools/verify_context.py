@@ -69,7 +69,7 @@ class VerifyContext:
     def engine(self, name: str, scheme: str, dtype: str = "bf16") -> Engine:
         return Engine(
             self.checkpoint(name),
-            quant=RolloutConfig(quant=scheme),
+            rollout_config=RolloutConfig(quant=scheme),
             dtype=dtype,
             device=self.device,
             max_batch=4,
