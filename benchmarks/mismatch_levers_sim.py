@@ -93,19 +93,17 @@ def simulated_output(module: DenseLinear, x: torch.Tensor, c: dict, act_amax: to
     return y.to(x.dtype)
 
 
-def applies(name: str, c: dict, key: str) -> bool:
-    return any(p in name for p in c[key]) if key in c else key != "skip"
-
-
 def install(engine: Engine, settings: dict, amax: dict[str, torch.Tensor]) -> list:
+    """Hook every linear layer the variant quantizes (all but the LM head and `skip`); `sq_only`
+    limits smoothing to the layers it names."""
     handles = []
     for name, m in engine.model.named_modules():
-        if not isinstance(m, DenseLinear) or name == "lm_head" or applies(name, settings, "skip"):
+        skipped = any(p in name for p in settings.get("skip", ()))
+        if not isinstance(m, DenseLinear) or name == "lm_head" or skipped:
             continue
-        c = dict(settings)
-        if "sq_only" in c and not applies(name, c, "sq_only"):
+        c = {k: v for k, v in settings.items() if k != "sq_only"}
+        if "sq_only" in settings and not any(p in name for p in settings["sq_only"]):
             c.pop("alpha", None)
-        c.pop("sq_only", None)
         hook = lambda mod, inp, out, c=c, n=name: simulated_output(mod, inp[0], c, amax[n])  # noqa: E731
         handles.append(m.register_forward_hook(hook))
     return handles

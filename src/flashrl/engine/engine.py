@@ -211,7 +211,7 @@ class Engine:
         synchronize(self.device)
         return self.kv.record(scales, time.perf_counter() - start)
 
-    def _refresh_kv(self, prompts: list[list[int]]) -> None:
+    def _before_forward(self, prompts: list[list[int]]) -> None:
         """Before a forward: the first smoothing calibration (on `prompts`), then stale fp8 KV scales
         (on the most recent sequences, or on `prompts` when none were generated yet)."""
         self.smoothing.calibrate_if_pending(self.model, self.weights, prompts, self.model_dir, self.device)  # fmt: skip
@@ -245,7 +245,7 @@ class Engine:
             prompts, self.tokenizer, vocab, self.max_len, self.model_dir
         )
         cache = self._ensure_cache()
-        self._refresh_kv(encoded)
+        self._before_forward(encoded)
         base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
         tables = SamplingTables.build(
             [len(ids) for ids in encoded], params, base_seed, self.max_len, self.device
@@ -348,7 +348,7 @@ class Engine:
         reading this engine's KV cache (so fp8 KV rounding is included); eager at exact shapes
         whatever `decode_compile` and `decode_buckets` say (`flashrl.engine.scoring`)."""
         pairs = self._pairs(prompts, responses)
-        self._refresh_kv([p for p, _ in pairs])
+        self._before_forward([p for p, _ in pairs])
         return scoring.cached_logits(self.runner, self._ensure_cache(), pairs, self.max_batch)
 
     @torch.no_grad()
@@ -364,7 +364,7 @@ class Engine:
         if not temperature > 0:
             raise InputError(f"temperature={temperature!r} must be > 0")
         pairs = self._pairs(prompts, responses)
-        self._refresh_kv([p for p, _ in pairs])
+        self._before_forward([p for p, _ in pairs])
         return scoring.kv_cache_mismatch(
             self.runner, self._ensure_cache(), pairs, self.max_batch, temperature
         )

@@ -7,9 +7,10 @@ are refreshed, and the calibration before the first rollout. Per-layer math:
 - A weight update refreshes the factors of every smoothed layer all of whose shards it carries,
   before writing them: a fused layer that gets only q (not k and v) keeps its factors, because its
   other shards' codes were encoded with them.
-- After loading a checkpoint no activation has been seen: the first generate or score call runs a
-  forward over its prompts, then re-reads the checkpoint (file by file) with fresh factors. A
-  weight update before that makes the calibration moot (the update refreshes on the next one).
+- After loading a checkpoint no activation has been seen: the first `generate` (or the first call
+  that reads the KV cache: `cached_logits`, fp8-cache `score`) runs a forward over its prompts, then
+  re-reads the checkpoint (file by file) with fresh factors. A weight update before that makes the
+  calibration moot (the update refreshes on the next one).
 """
 
 from __future__ import annotations
