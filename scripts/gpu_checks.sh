@@ -7,7 +7,8 @@
 #   OUT=/tmp/gpu BUDGET_S=480 bash scripts/gpu_checks.sh [sections]
 #   sections (in priority order): env,tests,diag,requant,bench,train,compile
 #   TESTS: test files for the tests section (default: tests); COMPILE_QUANT, COMPILE_MODES: the
-#   compile section's schemes and modes (default: bf16,fp8 and none,reduce-overhead)
+#   compile section's schemes and modes (default: bf16,fp8 and none,reduce-overhead); BENCH_QUANT: the
+#   bench section's schemes (default: bf16,int8,fp8,fp8_channel)
 #
 # No install step: the GPU image's python3 already has torch, transformers, safetensors, pyyaml, tqdm,
 # numpy and pytest; flashrl runs from src/ (math-verify and gguf are imported lazily, unused here).
@@ -48,15 +49,15 @@ env_report() {
 B7="--random-weights qwen2.5-7b --batch 64 --prompt-len 256 --device cuda"
 export -f env_report
 section env 30 bash -c env_report
-section tests 180 python3 -m pytest -m gpu ${TESTS:-tests} -v -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
+section tests ${TESTS_LIMIT_S:-180} python3 -m pytest -m gpu ${TESTS:-tests} -v -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
 section diag 60 python3 scripts/gpu_kv_graph_diag.py
 section requant 60 python3 benchmarks/bench_requant.py --device cuda --kernels triton,torch \
   --shapes 4096x4096,4096x14336,14336x4096 --out "$OUT/requant_cuda.json"
-section bench 130 flashrl bench $B7 --quant bf16,int8,fp8,fp8_channel --output-len 256 \
+section bench ${BENCH_LIMIT_S:-130} flashrl bench $B7 --quant ${BENCH_QUANT:-bf16,int8,fp8,fp8_channel} --output-len 256 \
   --out "$OUT/bench_7b_b64.json"
 section train 60 flashrl train --preset tiny-cpu --run.device cuda --run.compare bf16,int8,fp8 \
   --run.steps 20 --run.output-dir "$OUT/train"
-section compile 150 flashrl bench $B7 --quant ${COMPILE_QUANT:-bf16,fp8} --output-len 256 --compile ${COMPILE_MODES:-none,reduce-overhead} \
+section compile ${COMPILE_LIMIT_S:-150} flashrl bench $B7 --quant ${COMPILE_QUANT:-bf16,fp8} --output-len 256 --compile ${COMPILE_MODES:-none,reduce-overhead} \
   --out "$OUT/bench_7b_b64_compile.json"
 find "$OUT/train" -name 'summary*' -exec cp -f {} "$OUT/" \; 2>/dev/null
 rm -rf "$OUT/train" "$OUT/.bin"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import sys
 import tempfile
 import time
@@ -358,8 +359,10 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
                     rows.append(row)
                     _release_memory()  # the last row's engine (a compiled one is a cycle)
                     # progress on long runs (a 7B grid takes minutes): each row as it finishes
+                    # the whole row too, so a run cut off by a time limit loses none of it
                     print(
-                        f"[bench] {scheme} kv={kv} compile={mode or 'none'}: {row.tokens_per_s:.1f} tok/s",
+                        f"[bench] {scheme} kv={kv} compile={mode or 'none'}: {row.tokens_per_s:.1f} tok/s"
+                        f" | {json.dumps(dataclasses.asdict(row), default=str)}",
                         file=sys.stderr,
                         flush=True,
                     )
