@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from flashrl.engine import Engine
 from flashrl.errors import WeightError
 from flashrl.model.weights import iter_checkpoint
+from flashrl.quant import gemm
 from flashrl.quant.experts import DenseExperts, QuantExperts, make_experts
 from flashrl.quant.linear import QuantLinear, make_linear
 from flashrl.testing import MOE_FAMILIES
@@ -294,3 +295,22 @@ def test_cuda_experts_equal_cpu_and_logits_follow(scheme, moe_pair):
             assert torch.equal(raw(t), raw(dict(cuda.model.named_buffers())[name].cpu())), name
     ids = list(range(5, 40))
     assert (cpu.logits(ids) - cuda.logits(ids).cpu()).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "fp8_channel"])
+def test_fp8_expert_gemms_get_16_byte_aligned_scales(scheme, moe_pair, monkeypatch):
+    """cuBLASLt's fp8 GEMM refuses scales that do not start on a 16-byte boundary (the MoE CUDA
+    test failed so on an H100 and an H200); an expert's scale, or some tokens' rows of a per-token
+    scale, are slices that can start anywhere, so every `_scaled_mm` must get aligned ones."""
+    if not gemm.cpu_has_rowwise_scaled_mm():
+        pytest.skip("this torch's CPU _scaled_mm takes no rowwise scales: the fallback runs")
+    seen, real = [], torch._scaled_mm
+
+    def recording(a, b, scale_a, scale_b, **kw):
+        seen.append((scale_a.data_ptr() % 16, scale_b.data_ptr() % 16))
+        return real(a, b, scale_a, scale_b, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    e = engine(moe_pair["qwen3_moe"][0], rollout_config=scheme)
+    e.logits(list(range(5, 40)))
+    assert len(seen) > 10 and all(offsets == (0, 0) for offsets in seen), seen

@@ -158,6 +158,16 @@ def int8_linear(
     return y.to(out_dtype or x.dtype)
 
 
+def cublas_aligned(scale: torch.Tensor) -> torch.Tensor:
+    """`scale`, copied if its data does not start on a 16-byte boundary. cuBLASLt's fp8 GEMM
+    refuses such scales (CUBLAS_STATUS_NOT_SUPPORTED, seen on H100 and H200; pytorch#159957), and
+    a scale sliced from a larger tensor (one expert's, some tokens') can start anywhere. Not checked
+    while torch.compile traces (fake tensors have no address; its graphs hold whole tensors)."""
+    if torch.compiler.is_compiling() or scale.data_ptr() % 16 == 0:
+        return scale
+    return scale.clone()
+
+
 def fp8_linear(
     x: torch.Tensor,
     wq: torch.Tensor,
@@ -176,9 +186,8 @@ def fp8_linear(
     out_dtype = out_dtype or x.dtype
     xq, x_scale = quantize_activation(x, scheme)
     if w_scale.numel() == 1 and x_scale.numel() == 1 and x.is_cuda:
-        y = torch._scaled_mm(
-            xq, wq.t(), x_scale.reshape(()), w_scale.reshape(()), out_dtype=out_dtype
-        )
+        x_scale, w_scale = cublas_aligned(x_scale.reshape(())), cublas_aligned(w_scale.reshape(()))
+        y = torch._scaled_mm(xq, wq.t(), x_scale, w_scale, out_dtype=out_dtype)
     else:
         y = fp8_rowwise_mm(xq, x_scale, wq, w_scale, out_dtype)
     if bias is not None:
@@ -277,8 +286,8 @@ def fp8_rowwise_mm(
     """``(xq @ wq^T) * s_x * s_w^T`` through `torch._scaled_mm` with rowwise scales ``[M,1] x [1,N]``
     (a single scale is broadcast). On a CPU torch without rowwise scales (`cpu_has_rowwise_scaled_mm`)
     an fp32 matmul of the codes: the same exact products in another summation order."""
-    scale_a = x_scale.reshape(-1, 1).expand(xq.shape[0], 1).contiguous()
-    scale_b = w_scale.reshape(1, -1).expand(1, wq.shape[0]).contiguous()
+    scale_a = cublas_aligned(x_scale.reshape(-1, 1).expand(xq.shape[0], 1).contiguous())
+    scale_b = cublas_aligned(w_scale.reshape(1, -1).expand(1, wq.shape[0]).contiguous())
     if xq.is_cuda or cpu_has_rowwise_scaled_mm():
         return torch._scaled_mm(xq, wq.t(), scale_a, scale_b, out_dtype=out_dtype)
     return (xq.float() @ wq.float().t()).mul_(scale_a).mul_(scale_b).to(out_dtype)
