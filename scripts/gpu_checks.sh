@@ -5,7 +5,7 @@
 # the next, and everything lands in $OUT as plain files (log.txt, JSON, junit XML; at most 8).
 #
 #   OUT=/tmp/gpu BUDGET_S=480 bash scripts/gpu_checks.sh [sections]
-#   sections (in priority order): env,tests,diag,requant,bench,train,compile
+#   sections (in priority order): env,tests,diag,requant,bench,train,compile,profile
 #   TESTS: test files for the tests section (default: tests); COMPILE_QUANT, COMPILE_MODES: the
 #   compile section's schemes and modes (default: bf16,fp8 and none,reduce-overhead); BENCH_QUANT: the
 #   bench section's schemes (default: bf16,int8,fp8,fp8_channel)
@@ -14,7 +14,7 @@
 # numpy and pytest; flashrl runs from src/ (math-verify and gguf are imported lazily, unused here).
 set -u
 OUT=${OUT:-/tmp/flashrl-gpu}
-SECTIONS=${1:-env,tests,diag,requant,bench,train,compile}
+SECTIONS=${1:-env,tests,diag,requant,bench,train,compile,profile}
 BUDGET_S=${BUDGET_S:-540}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -59,6 +59,9 @@ section train 60 flashrl train --preset tiny-cpu --run.device cuda --run.compare
   --run.steps 20 --run.output-dir "$OUT/train"
 section compile ${COMPILE_LIMIT_S:-150} flashrl bench $B7 --quant ${COMPILE_QUANT:-bf16,fp8} --output-len 256 --compile ${COMPILE_MODES:-none,reduce-overhead} \
   --out "$OUT/bench_7b_b64_compile.json"
+section profile ${PROFILE_LIMIT_S:-200} python3 benchmarks/profile_decode_step.py --random-weights qwen2.5-7b \
+  --quant ${PROFILE_QUANT:-bf16,fp8,int8} --batch 64 --prompt-len 256 --output-len 64 --compile reduce-overhead \
+  --out "$OUT/profile_7b_b64.json"
 find "$OUT/train" -name 'summary*' -exec cp -f {} "$OUT/" \; 2>/dev/null
 rm -rf "$OUT/train" "$OUT/.bin"
 echo "=== done in ${SECONDS}s; files in $OUT"
