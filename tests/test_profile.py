@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 
 import pytest
 import torch
@@ -63,6 +64,7 @@ SETTINGS = {
     "max_prompt_tokens",
     "max_new_tokens",
     "temperature",
+    "smooth",
 }
 CALIBRATION = {
     "source",
@@ -92,6 +94,9 @@ SCHEME = {
     "mismatch",
     "mismatch_after_skip",
     "memory",
+    "smoothing",
+    "recommended_smooth",
+    "mismatch_after_smooth",
 }
 MEMORY = {
     "weight_bytes_bf16",
@@ -249,8 +254,51 @@ def test_outlier_layer_is_flagged_and_skipping_it_lowers_the_mismatch(profiled):
     assert fp8["memory"]["weight_bytes_after_skip"] == fp8["memory"]["weight_bytes"]
     # the table names the layer and both mismatch rows
     assert "model.layers.1.self_attn.k_proj" in stdout and "*" in stdout
-    assert f"int8: keep 1 layer(s) in bf16: {OUTLIER_LAYER}" in stdout
-    assert "int8 + skip 1 layer(s)" in stdout and "fp8: no layer above the threshold" in stdout
+    names = ", ".join(OUTLIER_NAMES)
+    assert (
+        f"int8: keep 3 tensor(s) in bf16: {names} (1 flagged layer(s) tried end to end)" in stdout
+    )
+    assert "int8 + 3 tensor(s) kept in bf16" in stdout
+    assert "fp8: no layer above the threshold" in stdout
+
+
+def test_smoothing_is_tried_end_to_end_and_recommended_only_if_it_lowers_the_kl(profiled):
+    _, path, doc, stdout = profiled
+    assert doc["settings"]["smooth"] == 0.5
+    for scheme in ("int8", "fp8"):
+        entry = doc["schemes"][scheme]
+        trial, best = entry["smoothing"], (entry["mismatch_after_skip"] or entry["mismatch"])
+        assert trial["alpha"] == 0.5 and trial["reason"] is None and math.isfinite(trial["kl"])
+        assert trial["kept"] == (trial["kl"] < best["exact"]["kl"])
+        assert entry["recommended_smooth"] == (0.5 if trial["kept"] else None)
+        assert (entry["mismatch_after_smooth"] is not None) == trial["kept"]
+        if trial["kept"]:
+            assert entry["mismatch_after_smooth"]["exact"]["kl"] == trial["kl"]
+        config, header = build_setup(load_profile(path), quant=scheme)
+        assert config.smooth == entry["recommended_smooth"]
+        assert "online smoothing (a = 0.5) on top of that skip list: exact KL" in header
+    assert "smoothing a = 0.5: KL" in stdout
+
+
+def test_smoothing_is_recommended_where_activation_outliers_hurt(tmp_path):
+    """Outlier input channels (the norms before q/k/v and gate/up scaled 60x in one channel):
+    per-token int8 loses the other channels, smoothing moves the outlier into the weights."""
+    path = save_tiny_model(tmp_path, "qwen2", seed=0, tokenizer=True, initializer_range=0.2)
+    tensors = load_file(path / "model.safetensors")
+    for layer in range(2):
+        tensors[f"model.layers.{layer}.input_layernorm.weight"][7] *= 60
+        tensors[f"model.layers.{layer}.post_attention_layernorm.weight"][11] *= 60
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    doc = run_profile(ProfileConfig(model=str(path), quant="int8", device="cpu", max_new_tokens=16))
+    entry = doc.schemes["int8"]
+    assert entry.recommended_smooth == 0.5
+    assert entry.smoothing["kl"] < entry.mismatch["exact"]["kl"] / 2  # measured: 0.026 vs 0.084
+    none = run_profile(
+        ProfileConfig(model=str(path), quant="int8", device="cpu", max_new_tokens=16, smooth=None)
+    )
+    assert (
+        none.schemes["int8"].smoothing is None and none.schemes["int8"].recommended_smooth is None
+    )
 
 
 def test_threshold_controls_the_recommendation(profiled):
@@ -324,6 +372,7 @@ def test_setup_round_trips_into_a_config_the_engine_applies(
         kv_scale="calibrated",
         lm_head_fp32=False,
         logprobs_mode="processed",
+        smooth=doc["schemes"]["int8"]["recommended_smooth"],
     )
     assert resolve_config(str(out)) == config  # what `flashrl train`'s rollout.file uses
     assert_engine_skips_outlier_layer(

@@ -28,6 +28,9 @@ engine's own linear layers. Steps of `run_profile`:
    on top of those already chosen), so the recommendation never raises the KL it was measured on.
    The engine is rebuilt with the chosen skip list and step 3 is repeated. Memory: weight bytes
    before and after.
+5. Smoothing (`--smooth`, default 0.5; dense models): online smoothing (`rollout.smooth`) on top of
+   the chosen skip list, measured as in step 3 (its engine calibrates on its own first rollouts)
+   and recommended only if it lowers the exact KL; `flashrl setup` writes it as ``smooth``.
 
 `DEFAULT_THRESHOLD` = 0.1 (10 % relative output error). Round-to-nearest alone gives about
 0.4-1.5 % for int8 W8A8 and 1.5-4 % for the fp8 schemes on layers without outliers (measured on
@@ -44,7 +47,6 @@ rollout config.
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import logging
 import math
@@ -56,17 +58,15 @@ from typing import Any
 import torch
 
 import flashrl
-from flashrl.core.config import KV_CACHE_DTYPES, RolloutConfig
+from flashrl.core.config import KV_CACHE_DTYPES
 from flashrl.core.device import DTYPES
-from flashrl.core.rollout import Rollout
-from flashrl.core.sampling import SamplingParams
-from flashrl.engine import Engine
-from flashrl.errors import ConfigError, UnsupportedError
+from flashrl.errors import ConfigError
 from flashrl.fileio import atomic_write_text
 from flashrl.model.config import ModelConfig
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.quant.schemes import SCHEMES, parse_scheme_list
-from flashrl.tools.calibration_prompts import calibration_prompts, read_prompts_file
+from flashrl.tools.calibration_prompts import read_prompts_file
+from flashrl.tools.profile_engines import Calibration, calibrate, free_memory, make_engine
 from flashrl.tools.profile_metrics import (
     distribution_mismatch,
     layer_errors,
@@ -74,7 +74,6 @@ from flashrl.tools.profile_metrics import (
     sampled_mismatch,
 )
 from flashrl.tools.profile_schema import (
-    CalibrationSummary,
     KVCacheProfile,
     ModelSummary,
     ProfileResult,
@@ -83,7 +82,6 @@ from flashrl.tools.profile_schema import (
     WeightMemory,
 )
 from flashrl.tools.profile_select import select_skips
-from flashrl.tools.verify_context import scheme_unsupported_reason
 from flashrl.utils import device_name
 
 logger = logging.getLogger(__name__)
@@ -91,7 +89,6 @@ logger = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 DEFAULT_THRESHOLD = 0.1
 """Relative output error above which a layer is recommended to stay in bf16 (see module doc)."""
-MAX_BATCH = 16
 
 
 @dataclass
@@ -122,6 +119,9 @@ class ProfileConfig:
     seed: int = 0
     temperature: float = 1.0
     """Sampling temperature of the calibration responses."""
+    smooth: float | None = 0.5
+    """Online smoothing exponent tried end to end on top of the skip list (`rollout.smooth`);
+    recommended only if it lowers the exact KL; null: not tried. Dense models only."""
 
     def schemes(self) -> list[str]:
         text = self.quant if isinstance(self.quant, str) else ",".join(self.quant)
@@ -161,76 +161,8 @@ class ProfileConfig:
             read_prompts_file(self.prompts)  # a bad file fails before any model is loaded
 
 
-# ------------------------------------------------------------------------------------------------
-# engines and calibration data
-# ------------------------------------------------------------------------------------------------
-
-
-def make_engine(
-    cfg: ProfileConfig, quant: str, skip: Sequence[str], max_len: int, kv_cache_dtype: str = "bf16"
-) -> Engine:
-    config = RolloutConfig(
-        quant=quant, skip=tuple(skip), lm_head_fp32=cfg.lm_head_fp32, kv_cache_dtype=kv_cache_dtype
-    )
-    return Engine(
-        cfg.model,
-        rollout_config=config,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        max_batch=MAX_BATCH,
-        max_len=max_len,
-        seed=cfg.seed,
-        progress=False,
-    )
-
-
-def _free() -> None:
-    """Release the memory of engines the caller dropped."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-# ------------------------------------------------------------------------------------------------
-# the profile
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Calibration:
-    """What every end-to-end measurement of one profile shares."""
-
-    cfg: ProfileConfig
-    reference: Engine
-    prompts: list[list[int]]
-    params: SamplingParams
-    rollouts: list[Rollout]
-    max_len: int
-
-    @property
-    def sequences(self) -> list[list[int]]:
-        return [r.prompt_ids + r.response_ids for r in self.rollouts]
-
-    def mismatch(self, engine: Engine) -> dict[str, Any]:
-        """`engine` against the bf16 reference: exact, sampled and (fp8 cache) kv_cache."""
-        t = self.cfg.temperature
-        exact = distribution_mismatch(self.reference, engine, self.sequences, t)
-        sampled = engine.generate(self.prompts, self.params)
-        out = {
-            "exact": exact,
-            "sampled": sampled_mismatch(self.reference, sampled, t),
-            "kv_cache": None,
-        }
-        if self.cfg.kv_cache_dtype != "bf16":
-            kept = [r for r in self.rollouts if r.response_ids]
-            out["kv_cache"] = engine.kv_cache_mismatch(
-                [r.prompt_ids for r in kept], [r.response_ids for r in kept], temperature=t
-            )
-        return out
-
-
 def _scheme_entry(
-    cal: _Calibration, scheme: str, layers: list[dict[str, Any]], bf16_bytes: int
+    cal: Calibration, scheme: str, layers: list[dict[str, Any]], bf16_bytes: int
 ) -> SchemeProfile:
     """``schemes.<scheme>`` of the document: errors, the skip recommendation, the mismatch before
     and after skipping, memory."""
@@ -242,12 +174,12 @@ def _scheme_entry(
     weight_bytes = engine.weight_nbytes()
     mismatch = cal.mismatch(engine)
     engine = None
-    _free()
+    free_memory()
 
     def kl_of(names: list[str]) -> float:  # exact end-to-end KL with `names` kept in bf16
         trial = make_engine(cfg, scheme, list(DEFAULT_SKIP) + names, cal.max_len, kv)
         kl = distribution_mismatch(cal.reference, trial, cal.sequences, cfg.temperature)["kl"]
-        _free()
+        free_memory()
         return kl
 
     recommended, tried = select_skips(flagged, kl_of, mismatch["exact"]["kl"])
@@ -257,8 +189,12 @@ def _scheme_entry(
         engine = make_engine(cfg, scheme, skip, cal.max_len, kv)
         after_skip, bytes_after_skip = cal.mismatch(engine), engine.weight_nbytes()
         engine = None
-        _free()
+        free_memory()
+    smoothing, after_smooth = _smoothing_trial(cal, scheme, skip, (after_skip or mismatch)["exact"])
     return SchemeProfile(
+        smoothing=smoothing,
+        recommended_smooth=smoothing["alpha"] if smoothing and smoothing["kept"] else None,
+        mismatch_after_smooth=after_smooth,
         output_error_median=float(torch.tensor(errors).median()),
         output_error_max=max(errors),
         flagged=flagged,
@@ -277,7 +213,32 @@ def _scheme_entry(
     )
 
 
-def _kv_cache_entry(cal: _Calibration) -> KVCacheProfile:
+def _smoothing_trial(
+    cal: Calibration, scheme: str, skip: list[str], best: dict[str, Any]
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """``smoothing`` of a scheme: online smoothing (`cfg.smooth`) on top of the chosen skip list,
+    kept only if it lowers the exact KL `best`; and the mismatch with it when kept."""
+    alpha = cal.cfg.smooth
+    if alpha is None:
+        return None, None
+    if cal.reference.model_config.moe is not None:
+        return {
+            "alpha": alpha,
+            "kl": None,
+            "kept": False,
+            "reason": "MoE experts are not smoothed",
+        }, None
+    engine = make_engine(cal.cfg, scheme, skip, cal.max_len, cal.cfg.kv_cache_dtype, smooth=alpha)
+    mismatch = cal.mismatch(engine)
+    engine = None
+    free_memory()
+    kept = mismatch["exact"]["kl"] < best["kl"]
+    return {"alpha": alpha, "kl": mismatch["exact"]["kl"], "kept": kept, "reason": None}, (
+        mismatch if kept else None
+    )
+
+
+def _kv_cache_entry(cal: Calibration) -> KVCacheProfile:
     """``kv_cache`` of the document: bf16 weights with the quantized KV cache."""
     kv = cal.cfg.kv_cache_dtype
     engine = make_engine(cal.cfg, "bf16", DEFAULT_SKIP, cal.max_len, kv)
@@ -291,39 +252,8 @@ def _kv_cache_entry(cal: _Calibration) -> KVCacheProfile:
         kv_only=kv_only,
     )
     engine = None
-    _free()
+    free_memory()
     return entry
-
-
-def _calibrate(
-    cfg: ProfileConfig, model_config: ModelConfig
-) -> tuple[_Calibration, CalibrationSummary]:
-    """The bf16 reference engine, the calibration prompts and its responses to them."""
-    # Prompt and response budgets within the model's context.
-    max_new = min(cfg.max_new_tokens, max(1, model_config.max_position_embeddings // 2))
-    max_prompt = min(cfg.max_prompt_tokens, model_config.max_position_embeddings - max_new)
-    reference = make_engine(cfg, "bf16", DEFAULT_SKIP, max_prompt + max_new)
-    for scheme in cfg.schemes():
-        reason = scheme_unsupported_reason(scheme, reference.device)
-        if reason:
-            raise UnsupportedError(f"--quant {scheme}: cannot run on {reference.device}: {reason}")
-    prompts, calibration = calibration_prompts(
-        reference, max_prompt, cfg.prompts, cfg.seed, cfg.model
-    )
-    params = SamplingParams(temperature=cfg.temperature, max_tokens=max_new, seed=cfg.seed)
-    logger.info("profile: sampling %d bf16 responses", len(prompts))
-    cal = _Calibration(
-        cfg, reference, prompts, params, reference.generate(prompts, params), max_prompt + max_new
-    )
-    sequences = cal.sequences
-    summary = CalibrationSummary(
-        **calibration,
-        num_sequences=len(sequences),
-        prompt_tokens=sum(len(p) for p in prompts),
-        response_tokens=sum(len(r.response_ids) for r in cal.rollouts),
-        positions=sum(len(s) for s in sequences),
-    )
-    return cal, summary
 
 
 def run_profile(cfg: ProfileConfig) -> ProfileResult:
@@ -331,7 +261,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     cfg.check()
     schemes = cfg.schemes()
     model_config = ModelConfig.from_model_dir(cfg.model)  # clear errors for a bad directory
-    cal, calibration = _calibrate(cfg, model_config)
+    cal, calibration = calibrate(cfg, model_config)
     logger.info("profile: per-layer errors over %d tokens", calibration.positions)
     layers = layer_errors(cal.reference, cal.sequences, schemes)
     bf16_bytes = cal.reference.weight_nbytes()
@@ -361,6 +291,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
             max_prompt_tokens=cal.max_len - cal.params.max_tokens,
             max_new_tokens=cal.params.max_tokens,
             temperature=cfg.temperature,
+            smooth=cfg.smooth,
         ),
         calibration=calibration,
         layers=layers,

@@ -77,11 +77,21 @@ def _mismatch_table(doc: dict[str, Any]) -> list[str]:
     for s in schemes:
         entry = doc["schemes"][s]
         rows.append(_mismatch_row(s, entry["mismatch"], entry["memory"]["weight_bytes"]))
+        kept = len(entry["recommended_skip"])
         if entry["mismatch_after_skip"] is not None:
             rows.append(
                 _mismatch_row(
-                    f"{s} + skip {len(entry['flagged'])} layer(s)",
+                    f"{s} + {kept} tensor(s) kept in bf16",
                     entry["mismatch_after_skip"],
+                    entry["memory"]["weight_bytes_after_skip"],
+                )
+            )
+        if entry.get("mismatch_after_smooth") is not None:
+            label = f"{s}{f' + {kept} in bf16' if kept else ''} + smoothing"
+            rows.append(
+                _mismatch_row(
+                    f"{label} (a = {entry['recommended_smooth']:g})",
+                    entry["mismatch_after_smooth"],
                     entry["memory"]["weight_bytes_after_skip"],
                 )
             )
@@ -105,6 +115,26 @@ def _mismatch_table(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _advice(entry: dict[str, Any]) -> str:
+    """What the profile recommends for one scheme, and what it tried and rejected."""
+    flagged, chosen = entry["flagged"], entry["recommended_skip"]
+    if not flagged:
+        parts = [f"no layer above the threshold (max output error {entry['output_error_max']:.3g})"]
+    elif chosen:
+        parts = [f"keep {len(chosen)} tensor(s) in bf16: {', '.join(chosen)} "
+                 f"({len(flagged)} flagged layer(s) tried end to end)"]  # fmt: skip
+    else:
+        parts = [f"{len(flagged)} flagged layer(s) tried end to end; keeping any in bf16 did not "
+                 "lower the KL: quantize them all"]  # fmt: skip
+    smoothing = entry.get("smoothing")
+    if smoothing and smoothing.get("reason"):
+        parts.append(f"smoothing not tried ({smoothing['reason']})")
+    elif smoothing:
+        verdict = "use it" if smoothing["kept"] else "not lower: leave it off"
+        parts.append(f"smoothing a = {smoothing['alpha']:g}: KL {fmt(smoothing['kl'])}, {verdict}")
+    return "; ".join(parts)
+
+
 def format_profile(doc: dict[str, Any]) -> str:
     """The readable summary printed by `flashrl profile`, from the JSON document."""
     model, calibration = doc["model"], doc["calibration"]
@@ -117,15 +147,5 @@ def format_profile(doc: dict[str, Any]) -> str:
         lines.append(f"note: {calibration['note']}")
     lines += ["", *_layer_table(doc), "", *_mismatch_table(doc), ""]
     for s in doc["settings"]["schemes"]:
-        entry = doc["schemes"][s]
-        if entry["flagged"]:
-            worst = ", ".join(
-                f"{f['engine_layer']} ({f['output_error']:.3g})" for f in entry["flagged"]
-            )
-            lines.append(f"{s}: keep {len(entry['flagged'])} layer(s) in bf16: {worst}")
-        else:
-            lines.append(
-                f"{s}: no layer above the threshold; max output error "
-                f"{entry['output_error_max']:.3g}"
-            )
+        lines.append(f"{s}: {_advice(doc['schemes'][s])}")
     return "\n".join(lines)

@@ -36,6 +36,7 @@ class ProfileSettings:
     max_prompt_tokens: int
     max_new_tokens: int
     temperature: float
+    smooth: float | None = None
 
 
 @dataclass
@@ -76,6 +77,13 @@ class SchemeProfile:
     skip_trials: list[dict[str, Any]] = field(default_factory=list)
     """Every flagged layer tried, worst first: ``names``, ``output_error``, the exact end-to-end
     ``kl`` with it kept in bf16 (on top of those kept before), ``kept`` (it lowered the KL)."""
+    smoothing: dict[str, Any] | None = None
+    """Online smoothing tried on top of `skip`: ``alpha``, the exact ``kl`` with it, ``kept`` (it
+    lowered the KL), ``reason`` (why it was not tried); None: not asked for."""
+    recommended_smooth: float | None = None
+    """``alpha`` when smoothing lowered the KL (`flashrl setup` writes it as ``smooth``), else None."""
+    mismatch_after_smooth: Mismatch | None = None
+    """The mismatch with `skip` and smoothing, when smoothing is recommended."""
 
 
 @dataclass

@@ -112,6 +112,7 @@ def build_setup(
             f"--quant {quant!r} was not profiled in {source}; allowed: {', '.join(schemes)}"
         )
     skip = list(profile["schemes"][quant]["skip"])
+    smooth = profile["schemes"][quant].get("recommended_smooth")  # absent in older profiles
     if threshold is not None:
         if not (math.isfinite(threshold) and threshold > 0):
             raise ConfigError(f"--threshold {threshold!r} is invalid; allowed: a positive number")
@@ -126,6 +127,7 @@ def build_setup(
             kv_scale="calibrated",
             lm_head_fp32=settings["lm_head_fp32"],
             logprobs_mode="processed",
+            smooth=smooth,
         )
     except ConfigError as err:
         raise InputError(f"{source}: schemes.{quant}: {err}") from None
@@ -161,6 +163,14 @@ def _header(
             f"mismatch of this skip list was not measured; re-run `flashrl profile "
             f"--threshold {threshold:g}` to measure it"
         )
+    smoothing = entry.get("smoothing")
+    if smoothing and smoothing.get("kl") is not None:
+        lines.append(
+            f"online smoothing (a = {smoothing['alpha']:g}) on top of that skip list: exact KL "
+            f"{fmt(smoothing['kl'])}, {'kept' if smoothing['kept'] else 'not kept (no lower)'}"
+            + ("; built-in engine only (the vLLM plugin refuses smooth: drop the line there)"
+               if smoothing["kept"] else "")
+        )  # fmt: skip
     lines += [
         "use: FLASHRL_CONFIG=<this file>, Engine(model, <this file>), "
         "flashrl generate --quant <this file>,",

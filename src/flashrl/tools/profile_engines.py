@@ -1,0 +1,133 @@
+"""The engines and the calibration data of `flashrl profile` (`flashrl.tools.profile`): one bf16
+reference engine, the calibration prompts and its sampled responses, shared by every measurement so
+that comparisons between schemes, skip lists and smoothing are paired."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from flashrl.core.config import RolloutConfig
+from flashrl.core.rollout import Rollout
+from flashrl.core.sampling import SamplingParams
+from flashrl.engine import Engine
+from flashrl.errors import UnsupportedError
+from flashrl.model.config import ModelConfig
+from flashrl.quant.linear import DEFAULT_SKIP
+from flashrl.tools.calibration_prompts import calibration_prompts
+from flashrl.tools.profile_metrics import distribution_mismatch, sampled_mismatch
+from flashrl.tools.profile_schema import CalibrationSummary
+from flashrl.tools.verify_context import scheme_unsupported_reason
+
+if TYPE_CHECKING:
+    from flashrl.tools.profile import ProfileConfig
+
+logger = logging.getLogger(__name__)
+
+MAX_BATCH = 16
+
+
+def make_engine(
+    cfg: ProfileConfig,
+    quant: str,
+    skip: Sequence[str],
+    max_len: int,
+    kv_cache_dtype: str = "bf16",
+    smooth: float | None = None,
+) -> Engine:
+    """An engine of the profiled model with `quant`, `skip` kept unquantized and, with `smooth`,
+    online smoothing (calibrated by its first generate)."""
+    config = RolloutConfig(
+        quant=quant,
+        skip=tuple(skip),
+        lm_head_fp32=cfg.lm_head_fp32,
+        kv_cache_dtype=kv_cache_dtype,
+        smooth=smooth,
+    )
+    return Engine(
+        cfg.model,
+        rollout_config=config,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        max_batch=MAX_BATCH,
+        max_len=max_len,
+        seed=cfg.seed,
+        progress=False,
+    )
+
+
+def free_memory() -> None:
+    """Release the memory of engines the caller dropped."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class Calibration:
+    """What every end-to-end measurement of one profile shares."""
+
+    cfg: ProfileConfig
+    reference: Engine
+    prompts: list[list[int]]
+    params: SamplingParams
+    rollouts: list[Rollout]
+    max_len: int
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        return [r.prompt_ids + r.response_ids for r in self.rollouts]
+
+    def mismatch(self, engine: Engine) -> dict[str, Any]:
+        """`engine` against the bf16 reference: exact, sampled and (fp8 cache) kv_cache. The
+        sampled rollouts come first: a smoothing engine calibrates on its first generate."""
+        t = self.cfg.temperature
+        sampled = engine.generate(self.prompts, self.params)
+        exact = distribution_mismatch(self.reference, engine, self.sequences, t)
+        out = {
+            "exact": exact,
+            "sampled": sampled_mismatch(self.reference, sampled, t),
+            "kv_cache": None,
+        }
+        if self.cfg.kv_cache_dtype != "bf16":
+            kept = [r for r in self.rollouts if r.response_ids]
+            out["kv_cache"] = engine.kv_cache_mismatch(
+                [r.prompt_ids for r in kept], [r.response_ids for r in kept], temperature=t
+            )
+        return out
+
+
+def calibrate(
+    cfg: ProfileConfig, model_config: ModelConfig
+) -> tuple[Calibration, CalibrationSummary]:
+    """The bf16 reference engine, the calibration prompts and its responses to them."""
+    # Prompt and response budgets within the model's context.
+    max_new = min(cfg.max_new_tokens, max(1, model_config.max_position_embeddings // 2))
+    max_prompt = min(cfg.max_prompt_tokens, model_config.max_position_embeddings - max_new)
+    reference = make_engine(cfg, "bf16", DEFAULT_SKIP, max_prompt + max_new)
+    for scheme in cfg.schemes():
+        reason = scheme_unsupported_reason(scheme, reference.device)
+        if reason:
+            raise UnsupportedError(f"--quant {scheme}: cannot run on {reference.device}: {reason}")
+    prompts, calibration = calibration_prompts(
+        reference, max_prompt, cfg.prompts, cfg.seed, cfg.model
+    )
+    params = SamplingParams(temperature=cfg.temperature, max_tokens=max_new, seed=cfg.seed)
+    logger.info("profile: sampling %d bf16 responses", len(prompts))
+    cal = Calibration(
+        cfg, reference, prompts, params, reference.generate(prompts, params), max_prompt + max_new
+    )
+    sequences = cal.sequences
+    summary = CalibrationSummary(
+        **calibration,
+        num_sequences=len(sequences),
+        prompt_tokens=sum(len(p) for p in prompts),
+        response_tokens=sum(len(r.response_ids) for r in cal.rollouts),
+        positions=sum(len(s) for s in sequences),
+    )
+    return cal, summary
