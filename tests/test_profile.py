@@ -593,3 +593,17 @@ def test_skip_selection_follows_the_end_to_end_kl_not_the_layer_error():
     assert calls[1] == ["l3.down"] and calls[3] == ["l3.down", "l5.v", "l7.o"]
     assert kl_of(chosen) <= 0.036
     assert select_skips(flagged, lambda names: 1.0, base_kl=0.5, progress=False)[0] == []
+
+
+def test_progress_names_each_stage(outlier_model, capsys):
+    """A profile takes minutes on a real model: a bar on stderr ticks per stage and names it."""
+    run_profile(ProfileConfig(model=str(outlier_model), quant="int8", device="cpu",
+                              max_new_tokens=8, kv_cache_dtype="fp8"))  # fmt: skip
+    err = capsys.readouterr().err
+    for label in ("bf16 responses", "per-layer errors", "int8 end to end", "int8 skip list",
+                  "int8 smoothing", "fp8 KV cache"):  # fmt: skip
+        assert label in err, label
+    assert "6/6" in err
+    run_profile(ProfileConfig(model=str(outlier_model), quant="int8", device="cpu",
+                              max_new_tokens=8, progress=False, smooth=None))  # fmt: skip
+    assert "profile" not in capsys.readouterr().err

@@ -66,7 +66,7 @@ from flashrl.model.config import ModelConfig
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.quant.schemes import SCHEMES, parse_scheme_list
 from flashrl.tools.calibration_prompts import read_prompts_file
-from flashrl.tools.profile_engines import Calibration, calibrate, free_memory, make_engine
+from flashrl.tools.profile_engines import Calibration, Stages, calibrate, free_memory, make_engine
 from flashrl.tools.profile_metrics import (
     distribution_mismatch,
     layer_errors,
@@ -119,6 +119,8 @@ class ProfileConfig:
     seed: int = 0
     temperature: float = 1.0
     """Sampling temperature of the calibration responses."""
+    progress: bool = True
+    """A progress bar over the profile's stages (stderr)."""
     smooth: float | None = 0.5
     """Online smoothing exponent tried end to end on top of the skip list (`rollout.smooth`);
     recommended only if it lowers the exact KL; null: not tried. Dense models only."""
@@ -162,7 +164,7 @@ class ProfileConfig:
 
 
 def _scheme_entry(
-    cal: Calibration, scheme: str, layers: list[dict[str, Any]], bf16_bytes: int
+    cal: Calibration, scheme: str, layers: list[dict[str, Any]], bf16_bytes: int, stage: Stages
 ) -> SchemeProfile:
     """``schemes.<scheme>`` of the document: errors, the skip recommendation, the mismatch before
     and after skipping, memory."""
@@ -170,11 +172,12 @@ def _scheme_entry(
     logger.info("profile: %s end to end", scheme)
     errors = [entry["errors"][scheme]["output_error"] for entry in layers]
     flagged = recommend_skip(layers, scheme, cfg.threshold)
-    engine = make_engine(cfg, scheme, DEFAULT_SKIP, cal.max_len, kv)
-    weight_bytes = engine.weight_nbytes()
-    mismatch = cal.mismatch(engine)
-    engine = None
-    free_memory()
+    with stage(f"{scheme} end to end"):
+        engine = make_engine(cfg, scheme, DEFAULT_SKIP, cal.max_len, kv)
+        weight_bytes = engine.weight_nbytes()
+        mismatch = cal.mismatch(engine)
+        engine = None
+        free_memory()
 
     def kl_of(names: list[str]) -> float:  # exact end-to-end KL with `names` kept in bf16
         trial = make_engine(cfg, scheme, list(DEFAULT_SKIP) + names, cal.max_len, kv)
@@ -182,15 +185,20 @@ def _scheme_entry(
         free_memory()
         return kl
 
-    recommended, tried = select_skips(flagged, kl_of, mismatch["exact"]["kl"])
-    skip = list(DEFAULT_SKIP) + recommended
-    after_skip, bytes_after_skip = None, weight_bytes
-    if recommended:
-        engine = make_engine(cfg, scheme, skip, cal.max_len, kv)
-        after_skip, bytes_after_skip = cal.mismatch(engine), engine.weight_nbytes()
-        engine = None
-        free_memory()
-    smoothing, after_smooth = _smoothing_trial(cal, scheme, skip, (after_skip or mismatch)["exact"])
+    with stage(f"{scheme} skip list ({len(flagged)} candidate(s))"):
+        recommended, tried = select_skips(
+            flagged, kl_of, mismatch["exact"]["kl"], progress=cfg.progress
+        )
+        skip = list(DEFAULT_SKIP) + recommended
+        after_skip, bytes_after_skip = None, weight_bytes
+        if recommended:
+            engine = make_engine(cfg, scheme, skip, cal.max_len, kv)
+            after_skip, bytes_after_skip = cal.mismatch(engine), engine.weight_nbytes()
+            engine = None
+            free_memory()
+    with stage(f"{scheme} smoothing"):
+        best = (after_skip or mismatch)["exact"]
+        smoothing, after_smooth = _smoothing_trial(cal, scheme, skip, best)
     return SchemeProfile(
         smoothing=smoothing,
         recommended_smooth=smoothing["alpha"] if smoothing and smoothing["kept"] else None,
@@ -261,9 +269,12 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     cfg.check()
     schemes = cfg.schemes()
     model_config = ModelConfig.from_model_dir(cfg.model)  # clear errors for a bad directory
-    cal, calibration = calibrate(cfg, model_config)
+    stage = Stages(2 + 3 * len(schemes) + (cfg.kv_cache_dtype != "bf16"), cfg.progress)
+    with stage("bf16 responses"):
+        cal, calibration = calibrate(cfg, model_config)
     logger.info("profile: per-layer errors over %d tokens", calibration.positions)
-    layers = layer_errors(cal.reference, cal.sequences, schemes)
+    with stage(f"per-layer errors over {calibration.positions} tokens"):
+        layers = layer_errors(cal.reference, cal.sequences, schemes)
     bf16_bytes = cal.reference.weight_nbytes()
     device = cal.reference.device
     c = model_config
@@ -298,9 +309,11 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
         baseline={"sampled": sampled_mismatch(cal.reference, cal.rollouts, cfg.temperature)},
     )
     for scheme in schemes:
-        result.schemes[scheme] = _scheme_entry(cal, scheme, layers, bf16_bytes)
+        result.schemes[scheme] = _scheme_entry(cal, scheme, layers, bf16_bytes, stage)
     if cfg.kv_cache_dtype != "bf16":
-        result.kv_cache = _kv_cache_entry(cal)
+        with stage(f"{cfg.kv_cache_dtype} KV cache"):
+            result.kv_cache = _kv_cache_entry(cal)
+    stage.close()
     return result
 
 

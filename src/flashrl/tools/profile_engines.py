@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm import tqdm
 
 from flashrl.core.config import RolloutConfig
 from flashrl.core.rollout import Rollout
@@ -59,6 +61,23 @@ def make_engine(
         seed=cfg.seed,
         progress=False,
     )
+
+
+class Stages:
+    """The profile's progress bar: one tick per stage, the stage under way as its postfix (a
+    profile of four schemes takes minutes; it used to print nothing meanwhile)."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.bar = tqdm(total=total, desc="profile", unit="stage", disable=not enabled)
+
+    @contextmanager
+    def __call__(self, label: str) -> Iterator[None]:
+        self.bar.set_postfix_str(label)
+        yield
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def free_memory() -> None:
