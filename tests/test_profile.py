@@ -53,6 +53,7 @@ TOP_LEVEL = {
     "baseline",
     "schemes",
     "kv_cache",
+    "timings_s",
 }
 MODEL = {"path", "family", "num_layers", "hidden_size", "vocab_size", "tie_word_embeddings"}
 SETTINGS = {
@@ -597,13 +598,15 @@ def test_skip_selection_follows_the_end_to_end_kl_not_the_layer_error():
 
 def test_progress_names_each_stage(outlier_model, capsys):
     """A profile takes minutes on a real model: a bar on stderr ticks per stage and names it."""
-    run_profile(ProfileConfig(model=str(outlier_model), quant="int8", device="cpu",
-                              max_new_tokens=8, kv_cache_dtype="fp8"))  # fmt: skip
+    doc = run_profile(ProfileConfig(model=str(outlier_model), quant="int8", device="cpu",
+                                    max_new_tokens=8, kv_cache_dtype="fp8"))  # fmt: skip
     err = capsys.readouterr().err
     for label in ("bf16 responses", "per-layer errors", "int8 end to end", "int8 skip list",
                   "int8 smoothing", "fp8 KV cache"):  # fmt: skip
         assert label in err, label
     assert "6/6" in err
+    assert len(doc.timings_s) == 6 and all(t >= 0 for t in doc.timings_s.values())
+    assert next(iter(doc.timings_s)) == "bf16 responses"  # the stages, in order, in the JSON
     run_profile(ProfileConfig(model=str(outlier_model), quant="int8", device="cpu",
                               max_new_tokens=8, progress=False, smooth=None))  # fmt: skip
     assert "profile" not in capsys.readouterr().err

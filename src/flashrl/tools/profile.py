@@ -314,6 +314,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
         with stage(f"{cfg.kv_cache_dtype} KV cache"):
             result.kv_cache = _kv_cache_entry(cal)
     stage.close()
+    result.timings_s = stage.seconds
     return result
 
 

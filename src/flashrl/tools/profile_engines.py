@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,11 +70,14 @@ class Stages:
 
     def __init__(self, total: int, enabled: bool = True) -> None:
         self.bar = tqdm(total=total, desc="profile", unit="stage", disable=not enabled)
+        self.seconds: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, label: str) -> Iterator[None]:
         self.bar.set_postfix_str(label)
+        start = time.perf_counter()
         yield
+        self.seconds[label] = time.perf_counter() - start
         self.bar.update(1)
 
     def close(self) -> None:

@@ -114,6 +114,8 @@ class ProfileResult:
     baseline: dict[str, Mismatch]
     schemes: dict[str, SchemeProfile] = field(default_factory=dict)
     kv_cache: KVCacheProfile | None = None
+    timings_s: dict[str, float] = field(default_factory=dict)
+    """Wall seconds of each stage (the stage names of the progress bar)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document (non-finite numbers as None: strict JSON)."""
