@@ -8,7 +8,9 @@ The trainer holds fp32 master weights (the checkpoint's, upcast). Each step move
 ``lr * sign(noise)``, the size of an Adam step at learning rate `lr`, then syncs two in-process
 int8 workers (the `RolloutWorker.receive` of a Ray actor, minus the gloo bytes): one with scale
 band 0 (fresh scales every step: the ``codes`` payload's bits) and one with band 0.05. The
-high-precision tensors (norms, the tied embedding) are sent in bf16, as a bf16 trainer sends them.
+band-0 worker gets the high-precision tensors (norms, the tied embedding) whole in bf16, as a bf16
+trainer sends them; the band-0.05 worker gets them as dense deltas (`flashrl.distributed.
+dense_delta`: the fp32 master rounded to the worker's bf16 on the trainer, changed values only).
 
 Per step: the fraction of int8 codes that changed (band 0 / 0.05) and of scales kept, the bytes a
 bf16 stream, a full ``codes`` sync and a delta put on the wire (the delta also without its
@@ -28,6 +30,7 @@ import torch
 
 from _common import device_name, format_table, write_json
 from flashrl.distributed.delta import DeltaSender, delta_sync
+from flashrl.distributed.dense_delta import bit_view
 from flashrl.distributed.install import stored_codes
 from flashrl.distributed.worker import RolloutWorker
 from flashrl.engine import Engine
@@ -50,14 +53,17 @@ class Replay:
 
 
 def loopback(worker: RolloutWorker, seen: dict):
-    """A `delta.Send` into one in-process worker that records bytes and the worker's time."""
+    """A `delta.Send` into one in-process worker that records bytes (quantized weights' and the
+    rest's apart) and the worker's time."""
 
     def send(metas, tensors):
         wire = [t.clone() for t in tensors]
         worker.broadcast = Replay(wire)
-        seen["codes_bytes"] = sum(
-            t.numel() * t.element_size() for m, t in zip(metas, wire) if m.kind != "tensor"
-        )
+        sizes = [
+            (m.name in worker.quantized, t.numel() * t.element_size()) for m, t in zip(metas, wire)
+        ]
+        seen["codes_bytes"] = sum(n for quantized, n in sizes if quantized)
+        seen["dense_bytes"] = sum(n for quantized, n in sizes if not quantized)
         start = time.perf_counter()
         result = worker.receive(metas, checksums=True)
         seen["apply_s"] = time.perf_counter() - start
@@ -108,17 +114,25 @@ def main() -> None:
         row: dict = {"step": step}
         for band, worker in workers.items():
             seen: dict = {}
-            out, _ = delta_sync(senders[band], named, quantized, loopback(worker, seen))
+            if band:  # the fp32 master as it is: rounded to the worker's dtypes by the sender
+                out, _ = delta_sync(
+                    senders[band], master, quantized, loopback(worker, seen), worker.dense
+                )
+            else:
+                out, _ = delta_sync(senders[band], named, quantized, loopback(worker, seen))
             check_mirror(worker, senders[band])
             tag = "b0" if band == 0 else "b05"
             row[f"changed_{tag}"] = out["delta_changed_frac"]
             if band:
                 row["kept_scales"] = out["delta_kept_scales_frac"]
+                row["dense_changed"] = out["delta_dense_changed_frac"]
                 row["delta_codes_bytes"] = seen["codes_bytes"]
+                row["delta_dense_bytes"] = seen["dense_bytes"]
                 row["delta_bytes"] = out["sync/bytes"]
                 row["encode_s"], row["apply_s"] = out["plan_s"], seen["apply_s"]
             else:
                 row["delta_b0_codes_bytes"] = seen["codes_bytes"]
+                row["dense_whole_bytes"] = seen["dense_bytes"]
         row["quantize_s"] = quantize_time(named, quantized)
         row["bf16_bytes"], row["codes_bytes"] = bf16_bytes, codes_bytes
         row["codes_over_delta"] = codes_quantized(named, quantized) / row["delta_codes_bytes"]
@@ -126,8 +140,9 @@ def main() -> None:
         print(
             f"step {step}: changed {row['changed_b05']:.5f}, {row['delta_bytes']:.0f} B", flush=True
         )
-    cols = ["step", "changed_b0", "changed_b05", "kept_scales", "bf16_bytes", "codes_bytes"]
-    cols += ["delta_bytes", "delta_codes_bytes", "codes_over_delta", "encode_s", "apply_s"]
+    cols = ["step", "changed_b0", "changed_b05", "kept_scales", "dense_changed", "bf16_bytes"]
+    cols += ["codes_bytes", "delta_bytes", "delta_codes_bytes", "delta_dense_bytes"]
+    cols += ["dense_whole_bytes", "codes_over_delta", "encode_s", "apply_s"]
     cols += ["quantize_s"]
     print(format_table(rows, cols))
     n_quantized = sum(t.numel() for n, t in master if n in quantized)
@@ -157,11 +172,15 @@ def codes_quantized(named: list, quantized: dict) -> int:
 
 
 def check_mirror(worker: RolloutWorker, sender: DeltaSender) -> None:
-    """The worker stores exactly the trainer's mirror (codes and scales) for every weight."""
+    """The worker stores exactly the trainer's mirror (codes and scales) for every weight, and
+    keeps exactly its dense values."""
     for name, m in sender.mirrors.items():
         codes, scale = stored_codes(worker.backend, name)
         same = torch.equal(codes, m.codes) and torch.equal(scale.reshape(m.scale.shape), m.scale)
         assert same, f"worker differs from the trainer's mirror at {name}"
+    for name, d in sender.dense.items():
+        kept = worker.dense_mirror[name]
+        assert torch.equal(bit_view(kept), bit_view(d.value)), name
 
 
 if __name__ == "__main__":

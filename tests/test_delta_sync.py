@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from distributed_fixtures import ray_instance  # noqa: F401 (fixture)
+from flashrl.core.config import RolloutConfig
 from flashrl.distributed.delta import (
     DeltaSender,
     _words_checksum,
@@ -27,6 +28,7 @@ from flashrl.engine.engine import Engine
 from flashrl.errors import ConfigError, WeightError
 from flashrl.model.weights import iter_checkpoint
 from flashrl.quant.encode import encode_codes, qmax_of
+from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.quant.primitives import quantize_weight
 from flashrl.quant.schemes import get_scheme
 from flashrl.testing import save_tiny_model
@@ -363,3 +365,112 @@ def test_gloo_delta_sync_band_zero_matches_an_in_process_update(tiny, caplog):
     full, code_bytes = stats[0]["sync/bytes"], sum(t.numel() for n, t in named if n in quantized)
     assert stats[3]["sync/bytes"] == full  # a full sync: the codes payload's bytes
     assert full - stats[1]["sync/bytes"] > 0.5 * code_bytes  # most code bytes stay home
+
+
+# ------------------------------------------------------------------------------------ dense deltas
+
+
+def dense_engine_factory(path, skip=()):
+    config = RolloutConfig(quant="int8", skip=tuple(DEFAULT_SKIP) + tuple(skip))
+    return functools.partial(
+        Engine, path, rollout_config=config, dtype="bf16", device="cpu", max_batch=2, max_len=16,
+        progress=False,
+    )  # fmt: skip
+
+
+def dense_state(worker):
+    """Everything a worker stores unquantized: embeddings, norms, biases, skipped layers."""
+    return {k: v for k, v in worker.state().items() if v.dtype.is_floating_point
+            and not k.endswith(("weight_scale", "row_scale", "smooth")) and v.dtype.itemsize > 1}  # fmt: skip
+
+
+QKV0 = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_dense_weights_travel_as_deltas_and_store_what_a_full_sync_stores(tmp_path, tied):
+    """bf16 workers: the embedding, norms, biases and a skipped (bf16) q/k/v travel as changed
+    values after the first sync, and the worker stores bit for bit what a plain update of the
+    trainer's fp32 weights stores (nearest rounding), tied embeddings and fused shards included."""
+    path = save_tiny_model(tmp_path / "m", "qwen2", tokenizer=True, tie_word_embeddings=tied)
+    named = [(n, t.float()) for n, t in iter_checkpoint(path)]
+    worker = RolloutWorker(dense_engine_factory(path, QKV0), 0)
+    plain = RolloutWorker(dense_engine_factory(path, QKV0), 1)
+    assert worker.dense["model.embed_tokens.weight"] == "bfloat16"
+    assert worker.dense["model.layers.0.self_attn.q_proj.weight"] == "bfloat16"
+    assert "model.layers.1.self_attn.q_proj.weight" not in worker.dense  # quantized
+    assert ("lm_head.weight" in worker.dense) == (not tied)
+    sender = DeltaSender(band=0.05, full_every=0)
+    g = torch.Generator().manual_seed(7)
+    seen = []
+    for step in range(6):
+        if step:
+            named = adam_like_step(named, g, lr=3e-4)
+        send, metas = loopback(worker), []
+
+        def record(metas_, tensors, send=send, metas=metas):
+            metas.extend(metas_)
+            return send(metas_, tensors)
+
+        out, _ = delta_sync(sender, named, worker.quantized, record, worker.dense)
+        plain.update_weights(named)
+        assert out["delta_repaired"] == 0
+        a, b = dense_state(worker), dense_state(plain)
+        assert a.keys() == b.keys() and len(a) >= 10
+        for k in a:
+            assert torch.equal(bits(a[k]), bits(b[k])), (step, k)
+        kinds = {m.kind for m in metas if m.name in worker.dense}
+        seen.append((kinds, out["delta_dense_changed_frac"]))
+    assert seen[0][0] == {"tensor"} and seen[0][1] == 1.0
+    assert all("values" in kinds and frac < 0.5 for kinds, frac in seen[1:]), seen
+    embed = next(m for m in metas if m.name == "model.embed_tokens.weight")
+    assert embed.kind in ("index", "values")
+
+
+def test_a_corrupted_dense_delta_is_repaired(tmp_path, caplog):
+    path = save_tiny_model(tmp_path / "m", "qwen2", tokenizer=True)
+    named = [(n, t.float()) for n, t in iter_checkpoint(path)]
+    worker, plain = (RolloutWorker(dense_engine_factory(path), i) for i in (0, 1))
+    sender = DeltaSender(band=0.05, full_every=0)
+    delta_sync(sender, named, worker.quantized, loopback(worker), worker.dense)
+
+    def flip_a_value(metas, wire):
+        for meta, t in zip(metas, wire, strict=True):
+            if meta.kind == "values" and t.numel():
+                t[0] = -t[0] + 1
+                return
+
+    named = adam_like_step(named, torch.Generator().manual_seed(8), lr=3e-4)
+    with caplog.at_level(logging.WARNING, logger="flashrl.distributed.delta"):
+        out, _ = delta_sync(
+            sender, named, worker.quantized, loopback(worker, flip_a_value), worker.dense
+        )
+    plain.update_weights(named)
+    assert out["delta_repaired"] == 1 and "checksum mismatch" in caplog.text
+    a, b = dense_state(worker), dense_state(plain)
+    for k in a:
+        assert torch.equal(bits(a[k]), bits(b[k])), k
+
+
+def test_dense_delta_pieces_refuse_what_they_cannot_apply(tiny):
+    from flashrl.distributed.dense_delta import apply_values_, diff_values
+    from flashrl.distributed.install import validate
+    from flashrl.distributed.transport import TensorMeta
+
+    old = torch.tensor([1.0, 2.0, 0.0, 4.0]).bfloat16()
+    new = old.clone()
+    new[1], new[2] = 3.0, -0.0  # -0.0 == 0.0, but its bits differ: it travels
+    index, values = diff_values(old, new)
+    assert index.tolist() == [1, 2] and values.tolist() == [3.0, 0.0]
+    apply_values_(old, index, values)
+    assert torch.equal(bits(old), bits(new))
+    with pytest.raises(WeightError, match="outside the 4 values"):
+        apply_values_(old, torch.tensor([1, 4]), values)
+    with pytest.raises(WeightError, match="has torch.float32 values; stored torch.bfloat16"):
+        apply_values_(old, index, values.float())
+    worker = RolloutWorker(engine_factory(tiny), 0)
+    bad = TensorMeta("model.norm.weight", "values", "bfloat16", (3,))
+    with pytest.raises(WeightError, match="expected 1-D float32"):
+        validate(worker.backend, [bad], worker.quantized, worker.dense)
+    with pytest.raises(WeightError, match="not stored unquantized here"):
+        validate(worker.backend, [bad], worker.quantized, {})

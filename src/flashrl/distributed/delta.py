@@ -20,7 +20,10 @@ from (`ref_amax`). One sync:
    whose pairs would outweigh its codes travels whole (kind ``codes``). Every
    ``run.delta_full_every``-th sync, the first one and every repair send all codes whole; the scales
    follow the same hysteresis, so the result never depends on which syncs were full.
-4. **Checksums** (`checksum`): after a sync every worker reports a checksum of the codes and scales
+4. **Unquantized weights** (`flashrl.distributed.dense_delta`, when the workers report their
+   storage dtypes): rounded to that dtype on the trainer; after the first sync only the changed
+   values travel, as (flat index, value) pairs.
+5. **Checksums** (`checksum`): after a sync every worker reports a checksum of the codes and scales
    it stores for each weight; the trainer compares them with its mirror's. A mismatch is logged as
    a WARNING and those tensors are sent again whole (`delta_sync`); a second mismatch stops the run.
 
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashrl.distributed.dense_delta import DenseMirror, diff_values
 from flashrl.distributed.transport import TensorMeta, check_finite, codes_scheme
 from flashrl.errors import ConfigError, WeightError
 from flashrl.quant.encode import (
@@ -163,6 +167,7 @@ class DeltaSender:
             )
         self.band, self.full_every = band, full_every
         self.mirrors: dict[str, Mirror] = {}
+        self.dense: dict[str, DenseMirror] = {}
         self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.syncs = 0
         self.needs_full = True
@@ -170,19 +175,25 @@ class DeltaSender:
         self.stats: dict[str, float] = {}
 
     def plan(
-        self, named: Sequence[tuple[str, torch.Tensor]], quantized: dict[str, str]
+        self,
+        named: Sequence[tuple[str, torch.Tensor]],
+        quantized: dict[str, str],
+        dense: dict[str, str] | None = None,
     ) -> list[TensorMeta]:
-        """Quantize every weight in `quantized` with hysteresis scales, update the mirror, and
-        return the tensors of this sync (module doc); other tensors travel as they are."""
+        """Quantize every weight in `quantized` with hysteresis scales, round every weight in
+        `dense` (name -> the workers' storage dtype) to that dtype, update the mirrors, and return
+        the tensors of this sync (module doc); other tensors travel as they are."""
         check_finite(named)
         full = self.needs_full or (self.full_every > 0 and self.syncs % self.full_every == 0)
         self.needs_full, self.pending = True, {}  # cleared by `confirm`
         metas: list[TensorMeta] = []
-        counts = {"codes": 0, "changed": 0, "scales": 0, "kept": 0}
+        counts = {"codes": 0, "changed": 0, "scales": 0, "kept": 0, "dense": 0, "dense_changed": 0}
         for name, t in named:
             if name in quantized:
                 scheme = codes_scheme(name, quantized[name], "delta")
                 metas += self._encode(name, t.detach(), scheme, full, counts)
+            elif dense and name in dense:
+                metas += self._encode_dense(name, t.detach(), dense[name], full, counts)
             else:
                 dtype = str(t.dtype).removeprefix("torch.")
                 metas.append(TensorMeta(name, "tensor", dtype, tuple(t.shape)))
@@ -190,7 +201,33 @@ class DeltaSender:
             "delta_full": float(full),
             "delta_changed_frac": counts["changed"] / max(counts["codes"], 1),
             "delta_kept_scales_frac": counts["kept"] / max(counts["scales"], 1),
+            "delta_dense_changed_frac": counts["dense_changed"] / max(counts["dense"], 1),
         }
+        return metas
+
+    def _encode_dense(
+        self, name: str, t: torch.Tensor, dtype: str, full: bool, counts: dict[str, int]
+    ) -> list[TensorMeta]:
+        value = t.to(getattr(torch, dtype)).contiguous()
+        if value.data_ptr() == t.data_ptr():
+            value = value.clone()  # the mirror must not alias the trainer's own weight
+        old = self.dense.get(name)
+        metas = [TensorMeta(name, "tensor", dtype, tuple(value.shape))]
+        counts["dense"] += value.numel()
+        if old is not None and (old.value.shape, old.value.device) == (value.shape, value.device):
+            index, values = diff_values(old.value, value)
+            counts["dense_changed"] += index.numel()
+            pair_bytes = index.numel() * (index.element_size() + value.element_size())
+            if not full and pair_bytes < value.numel() * value.element_size():
+                self.pending[name] = (index, values)
+                idx = str(index.dtype).removeprefix("torch.")
+                metas = [
+                    TensorMeta(name, "index", idx, (index.numel(),)),
+                    TensorMeta(name, "values", dtype, (index.numel(),)),
+                ]
+        else:
+            counts["dense_changed"] += value.numel()
+        self.dense[name] = DenseMirror(value, checksum(value, value[:0]))
         return metas
 
     def _encode(
@@ -235,7 +272,9 @@ class DeltaSender:
         """The tensors `metas` describes, in order (codes and scales from the mirror)."""
         tensors = dict(named)
         for meta in metas:
-            if meta.kind == "tensor":
+            if meta.kind == "tensor" and meta.name in self.dense:
+                yield self.dense[meta.name].value
+            elif meta.kind == "tensor":
                 yield tensors[meta.name].detach()
             elif meta.kind == "codes":
                 yield self.mirrors[meta.name].codes
@@ -248,6 +287,10 @@ class DeltaSender:
         """The tensors of a whole (codes) resend of `names` from the mirror."""
         out = []
         for name in names:
+            if name in self.dense:
+                v = self.dense[name].value
+                out.append(TensorMeta(name, "tensor", str(v.dtype)[6:], tuple(v.shape)))
+                continue
             m = self.mirrors[name]
             code = str(m.codes.dtype).removeprefix("torch.")
             out.append(TensorMeta(name, "codes", code, tuple(m.codes.shape)))
@@ -260,10 +303,15 @@ class DeltaSender:
         """Weight name -> the workers whose checksum of a quantized weight of `metas` differs from
         the mirror's (or is missing)."""
         bad: dict[str, list[int]] = {}
-        names = [m.name for m in metas if m.kind == "scale"]
+        checks = {m.name: self.mirrors[m.name].check for m in metas if m.kind == "scale"}
+        checks |= {
+            m.name: self.dense[m.name].check
+            for m in metas
+            if m.kind in ("tensor", "values") and m.name in self.dense
+        }
         for i, report in enumerate(reports):
-            for name in names:
-                if tuple(report.get(name, ())) != self.mirrors[name].check:
+            for name, check in checks.items():
+                if tuple(report.get(name, ())) != check:
                     bad.setdefault(name, []).append(i)
         return bad
 
@@ -283,12 +331,13 @@ def delta_sync(
     named: Sequence[tuple[str, torch.Tensor]],
     quantized: dict[str, str],
     send: Send,
+    dense: dict[str, str] | None = None,
 ) -> tuple[dict[str, float], list[dict]]:
-    """One delta sync through `send`, checked and repaired (module doc, point 4). Returns the
+    """One delta sync through `send`, checked and repaired (module doc, point 5). Returns the
     stats (bytes, seconds, fractions) and the workers' results of the last broadcast."""
     start = time.perf_counter()
     named = [(n, t.detach()) for n, t in named]
-    metas = sender.plan(named, quantized)
+    metas = sender.plan(named, quantized, dense)
     plan_s = time.perf_counter() - start
     sent, results = send(metas, sender.tensors(named, metas))
     bad = sender.mismatches(metas, [r.pop("checksums", {}) for r in results])

@@ -11,8 +11,10 @@ from typing import Any
 import torch
 
 from flashrl.distributed.delta import Checksum, apply_delta_, checksum
+from flashrl.distributed.dense_delta import apply_values_, widest
 from flashrl.distributed.transport import TensorMeta
 from flashrl.errors import WeightError
+from flashrl.quant.experts import QuantExperts
 from flashrl.quant.linear import QuantLinear
 
 _FLOATS = ("float32", "bfloat16", "float16", "float64")
@@ -33,9 +35,29 @@ def quantized_names(engine) -> dict[str, str]:
     return out
 
 
-def validate(engine, metas: list[TensorMeta], quantized: dict[str, str]) -> None:
+def dense_dtypes(engine) -> dict[str, str]:
+    """HF weight name -> storage dtype for every weight the engine keeps unquantized (embeddings,
+    norms, biases, the LM head, skipped layers; the widest where one is stored twice): what a delta
+    sync rounds those weights to on the trainer (`flashrl.distributed.dense_delta`)."""
+    out = {}
+    for name in sorted(engine.weights.expected):
+        dtypes = []
+        for target in engine.weights.resolve(name):
+            module = engine.weights.modules[target.module]
+            if isinstance(module, QuantLinear | QuantExperts):
+                break
+            dtypes.append((module.bias if target.kind == "bias" else module.weight).dtype)
+        else:
+            out[name] = str(widest(dtypes)).removeprefix("torch.")
+    return out
+
+
+def validate(
+    engine, metas: list[TensorMeta], quantized: dict[str, str], dense: dict[str, str] | None = None
+) -> None:
     """A `WeightError` naming the first announced tensor the engine would refuse (unknown name,
     wrong shape or dtype), before any byte of the sync is received."""
+    dense = dense or {}
     for m in metas:
         shape = engine.weights.shape_of(m.name)
         if m.kind == "tensor" and m.dtype not in _FLOATS:
@@ -44,23 +66,43 @@ def validate(engine, metas: list[TensorMeta], quantized: dict[str, str]) -> None
             raise WeightError(f"tensor {m.name!r} has shape {m.shape}; expected {shape}")
         if m.kind == "index" and (m.dtype not in _INDEX or len(m.shape) != 1):
             raise WeightError(f"delta index of {m.name!r} is {m.dtype} {m.shape}; expected 1-D int")
-        if m.kind != "tensor" and m.name not in quantized:
+        if m.kind == "values" and (dense.get(m.name) != m.dtype or len(m.shape) != 1):
+            raise WeightError(
+                f"dense delta of {m.name!r} is {m.dtype} {m.shape}; expected 1-D "
+                f"{dense.get(m.name, 'nothing: it is not stored unquantized here')}"
+            )
+        if m.kind in ("codes", "scale", "changed") and m.name not in quantized:
             raise WeightError(f"{m.name!r} arrived as {m.kind} but is not quantized here")
+        if m.kind == "index" and m.name not in quantized and m.name not in dense:
+            raise WeightError(f"{m.name!r} arrived as a delta but is not stored here")
 
 
 class EngineSink:
     """Writes the tensors of one sync into `engine` as they complete (a weight's ``codes`` or
-    ``index`` / ``changed`` wait for its ``scale``, which comes last)."""
+    ``index`` / ``changed`` wait for its ``scale``, which comes last; a dense ``index`` waits for
+    its ``values``). With a `mirror` (a delta sync), the unquantized weights named in `dense` are
+    kept there as received and patched by their deltas (`flashrl.distributed.dense_delta`)."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(
+        self, engine, dense: dict[str, str] | None = None, mirror: dict | None = None
+    ) -> None:
+        self.engine, self.dense, self.mirror = engine, dense or {}, mirror
         self.parts: dict[str, dict[str, torch.Tensor]] = {}
 
     @torch.no_grad()
     def __call__(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
         e = self.engine
-        if meta.kind == "tensor":
+        if meta.kind == "tensor" and self.mirror is not None and meta.name in self.dense:
+            self.mirror[meta.name] = tensor.to(e.device, copy=True)
+            e.weights.apply(meta.name, self.mirror[meta.name], checked=True)
+        elif meta.kind == "tensor":
             e.weights.apply(meta.name, tensor.to(e.device), checked=True)
+        elif meta.kind == "values":
+            if self.mirror is None or meta.name not in self.mirror:
+                raise WeightError(f"a dense delta of {meta.name!r} arrived before its whole value")
+            index = self.parts.pop(meta.name)["index"]
+            apply_values_(self.mirror[meta.name], index, tensor)
+            e.weights.apply(meta.name, self.mirror[meta.name], checked=True)
         elif meta.kind != "scale":
             self.parts.setdefault(meta.name, {})[meta.kind] = tensor
         else:
@@ -122,3 +164,8 @@ def stored_codes(engine, name: str) -> tuple[torch.Tensor, torch.Tensor]:
 def stored_checksums(engine, names: list[str]) -> dict[str, Checksum]:
     """`delta.checksum` of the codes and scales the engine stores for each quantized HF weight."""
     return {name: checksum(*stored_codes(engine, name)) for name in names}
+
+
+def mirror_checksums(mirror: dict[str, torch.Tensor], names: list[str]) -> dict[str, Checksum]:
+    """`delta.checksum` of the kept values of unquantized weights (`EngineSink`'s mirror)."""
+    return {name: checksum(mirror[name], mirror[name][:0]) for name in names if name in mirror}

@@ -114,6 +114,7 @@ class WorkerPool:
         try:
             infos = self.wait([w.ready.remote() for w in self.workers], "start")
             self.quantized: dict[str, str] = infos[0]["quantized"]
+            self.dense: dict[str, str] = infos[0]["dense"]
             self._join_group()
         except BaseException:
             self.shutdown()
@@ -203,7 +204,11 @@ class WorkerPool:
         ):
             self.delta = DeltaSender(c.delta_band, c.delta_full_every)
         out, results = delta_sync(
-            self.delta, named, self.quantized, lambda m, t: self._send(m, t, checksums=True)
+            self.delta,
+            named,
+            self.quantized,
+            lambda m, t: self._send(m, t, checksums=True),
+            self.dense,
         )
         return self._worker_stats(out, results)
 

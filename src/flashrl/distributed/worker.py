@@ -29,12 +29,20 @@ class RolloutWorker:
         self.backend = factory()
         self.is_engine = hasattr(self.backend, "weights")
         self.quantized = install.quantized_names(self.backend) if self.is_engine else {}
+        self.dense = install.dense_dtypes(self.backend) if self.is_engine else {}
+        self.dense_mirror: dict[str, torch.Tensor] = {}
+        """Unquantized weights as last received by a delta sync (patched by the next one)."""
         self.broadcast: BucketBroadcast | None = None
         self.totals = {"syncs": 0.0, "sync_s": 0.0, "install_s": 0.0, "kv_calibration_s": 0.0}
 
     def ready(self) -> dict:
         """Who this worker is and which weights it stores quantized (the trainer's plan)."""
-        return {"index": self.index, "pid": os.getpid(), "quantized": self.quantized}
+        return {
+            "index": self.index,
+            "pid": os.getpid(),
+            "quantized": self.quantized,
+            "dense": self.dense,
+        }
 
     def generate(
         self, shards: Sequence[tuple[Sequence[Sequence[int]], SamplingParams]]
@@ -58,12 +66,16 @@ class RolloutWorker:
         assert self.broadcast is not None, "join_group first"
         start = time.perf_counter()
         if self.is_engine:
-            install.validate(self.backend, metas, self.quantized)
-            requant = self.broadcast.receive(metas, install.EngineSink(self.backend))
+            install.validate(self.backend, metas, self.quantized, self.dense)
+            mirror = self.dense_mirror if checksums else None  # a delta sync keeps the mirror
+            sink = install.EngineSink(self.backend, self.dense, mirror)
+            requant = self.broadcast.receive(metas, sink)
             kv = self._after_update()
             if checksums:
                 names = [m.name for m in metas if m.kind == "scale"]
                 sums = install.stored_checksums(self.backend, names)
+                dense = [m.name for m in metas if m.kind in ("tensor", "values")]
+                sums |= install.mirror_checksums(self.dense_mirror, dense)
                 return {**self._record(start, requant, kv), "checksums": sums}
         else:
             if any(m.kind != "tensor" for m in metas):
