@@ -5,7 +5,8 @@
       model                       the policy checkpoint (None: the built-in tiny model)
       data: DataConfig            prompts, answers and the reward
       rollout: TrainRolloutConfig  every rollout setting: quantization (the core RolloutConfig),
-        workers: WorkersConfig      engine, backend, shards; the Ray workers (flashrl.distributed)
+                                  engine dtype, backend and its kwargs, max_batch, shards
+        workers: WorkersConfig    the Ray rollout workers (flashrl.distributed.config)
       correction: CorrectionConfig  importance weights and rejection (flashrl.correction)
       algo: AlgoConfig            sampling, advantages, loss and optimizer
       run: RunConfig              length, seed, trainer device, outputs, checkpoints
@@ -14,7 +15,8 @@ Precedence (`flashrl.rl.config_build.build_config`): dataclass defaults < preset
 default `tiny-cpu`) < YAML file (`--config`, the same nesting) < command-line flags. The flat
 names of flashrl 0.1 (``--rollout-quant``, ``tis_cap``) and the rollout settings that moved into
 the rollout group (``--run.backend``, ``--rollout-workers``) are refused, naming the new name
-(`flashrl.rl.renamed`). A nested group is one more dot: ``--rollout.workers.count 2``. Validation errors name the field, the value and what is allowed.
+(`flashrl.rl.renamed`). A nested group is one more dot: ``--rollout.workers.count 2``. Validation
+errors name the field, the value and what is allowed.
 """
 
 from __future__ import annotations
