@@ -18,6 +18,7 @@ the in-process engine's after each payload.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -41,9 +42,9 @@ def run_steps(args: argparse.Namespace, workers: int, root: Path) -> dict:
         "run.steps": args.steps,
         "run.output_dir": str(root / f"w{workers}"),
         "run.plot": False,
-        "run.rollout_workers": workers,
-        "run.rollout_shards": args.shards,
-        "run.worker_threads": threads,
+        "rollout.workers.count": workers,
+        "rollout.shards": args.shards,
+        "rollout.workers.threads": threads,
     }
     torch.set_num_threads(args.threads)
     trainer = Trainer(build_config("tiny-cpu", None, overrides))
@@ -88,7 +89,8 @@ def copy_time(nbytes: int) -> float:
 
 
 def part_sync(args: argparse.Namespace) -> dict:
-    from flashrl.distributed.pool import PoolConfig, WorkerPool
+    from flashrl.distributed.config import WorkersConfig
+    from flashrl.distributed.pool import WorkerPool
     from flashrl.engine.engine import Engine
     from flashrl.tools.bench import random_model_dir
 
@@ -112,12 +114,12 @@ def part_sync(args: argparse.Namespace) -> dict:
     expected = local.model.state_dict()
     pool = WorkerPool(
         functools.partial(make, rollout_config="int8", load_weights=False),
-        PoolConfig(workers=args.workers, timeout_s=1200, bucket_bytes=args.bucket_mb * 2**20),
+        WorkersConfig(count=args.workers, timeout=1200, bucket_mb=args.bucket_mb),
     )
     rows = []
     try:
         for payload in ("stream", "codes"):
-            pool.config.payload = payload
+            pool.config = dataclasses.replace(pool.config, payload=payload)
             for _ in range(args.repeat):
                 start = time.perf_counter()
                 out = pool.sync(named)
@@ -165,7 +167,7 @@ def main() -> None:
     p.add_argument("--model", default="qwen2.5-0.5b")
     p.add_argument("--layers", type=int, default=0)
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--bucket-mb", type=float, default=64.0)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None)

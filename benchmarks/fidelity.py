@@ -91,7 +91,7 @@ def run_mean(run: Run, key: str, last: int | None = None) -> float:
 
 
 def flag(key: str) -> str:
-    """'run.rollout_dtype' -> '--run.rollout-dtype'."""
+    """'rollout.kv_cache_dtype' -> '--rollout.kv-cache-dtype'."""
     return "--" + key.replace("_", "-")
 
 

@@ -21,8 +21,9 @@ class ToyBackend:
     counts of each call."""
 
     def __init__(self, request: backends.BackendRequest) -> None:
-        self.engine = Engine(request.model_dir, request.config.rollout, device=request.device,
-                             dtype=request.config.run.rollout_dtype, max_len=request.max_len,
+        rollout = request.config.rollout
+        self.engine = Engine(request.model_dir, rollout.as_rollout_config(), device=request.device,
+                             dtype=rollout.dtype, max_len=request.max_len,
                              max_batch=request.max_batch, progress=False)  # fmt: skip
         self.calls = {"generate": 0, "update_weights": 0}
         ToyBackend.last = self
@@ -48,7 +49,7 @@ def toy(monkeypatch):
 def test_a_registered_backend_runs_a_training_run(toy, tmp_path, flashrl_logger):
     out = tmp_path / "run"
     argv = ["train", "--preset", "tiny-cpu", "--run.steps", "2", "--run.plot", "false"]
-    assert main([*argv, "--run.backend", "toy", "--run.output-dir", str(out)]) == 0
+    assert main([*argv, "--rollout.backend", "toy", "--run.output-dir", str(out)]) == 0
     assert isinstance(toy.last, RolloutBackend)
     assert toy.last.calls == {"generate": 2, "update_weights": 2}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -62,6 +63,6 @@ def test_registry_refusals(toy):
     with pytest.raises(ConfigError, match="non-empty name and a callable"):
         backends.register_backend("", ToyBackend)
     with pytest.raises(
-        ConfigError, match=r"run.backend='sglang' is invalid; allowed: builtin, vllm"
+        ConfigError, match=r"rollout.backend='sglang' is invalid; allowed: builtin, vllm"
     ):
-        build_config("tiny-cpu", None, {"run.backend": "sglang"})
+        build_config("tiny-cpu", None, {"rollout.backend": "sglang"})

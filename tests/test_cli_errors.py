@@ -381,7 +381,8 @@ def test_train_config_values_of_the_right_type_still_load(tmp_path):
 
     path = tmp_path / "ok.yaml"
     path.write_text(
-        "run:\n  steps: 3\n  plot: false\n  vllm_kwargs: {enforce_eager: true}\nalgo:\n  lr: 1\n"
+        "run:\n  steps: 3\n  plot: false\nrollout:\n  backend: vllm\n  backend_kwargs: {enforce_eager: true}\n"
+        "algo:\n  lr: 1\n"
         "correction:\n  rejection_thresholds: 0.01\n  rejection: seq_mean_k3\n"
     )
     config = build_config("tiny-cpu", str(path), {})
@@ -391,7 +392,7 @@ def test_train_config_values_of_the_right_type_still_load(tmp_path):
         config.run.plot,
         config.correction.rejection_thresholds,
     ) == (3, 1.0, False, (0.01,))
-    assert isinstance(config.algo.lr, float) and json.loads(config.run.vllm_kwargs) == {
+    assert isinstance(config.algo.lr, float) and json.loads(config.rollout.backend_kwargs) == {
         "enforce_eager": True
     }
 

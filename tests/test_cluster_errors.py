@@ -1,6 +1,6 @@
 """Rollout workers never hang on Ray (issue 24): an address nobody answers fails within a bounded
 time naming it, a malformed address is named with the accepted forms, and workers that ask for
-resources the cluster lacks (``--run.worker-gpus 1`` without a GPU) fail before any actor starts,
+resources the cluster lacks (``--rollout.workers.gpus 1`` without a GPU) fail before any actor starts,
 saying what is missing. The unit tests use a stand-in for the ``ray`` module; the command-line tests
 run ``flashrl train`` as a subprocess (with a timeout, stdin closed)."""
 
@@ -51,7 +51,7 @@ def test_accepted_address_forms(address):
 def test_malformed_address_names_it_and_the_accepted_forms(address):
     ray = FakeRay()
     with pytest.raises(
-        ConfigError, match=rf"run.ray_address={address!r}.*allowed: 'auto', host:port"
+        ConfigError, match=rf"rollout.workers.address={address!r}.*allowed: 'auto', host:port"
     ):
         connect(ray, address, 600.0)
     assert ray.inits == []
@@ -60,7 +60,9 @@ def test_malformed_address_names_it_and_the_accepted_forms(address):
 def test_refused_address_fails_at_once_naming_it():
     ray, address = FakeRay(), f"127.0.0.1:{_closed_port()}"
     start = time.monotonic()
-    with pytest.raises(ConfigError, match=rf"run.ray_address='{address}': no Ray cluster answers"):
+    with pytest.raises(
+        ConfigError, match=rf"rollout.workers.address='{address}': no Ray cluster answers"
+    ):
         connect(ray, address, 600.0)
     assert time.monotonic() - start < 5 and ray.inits == []  # ray.init never ran
 
@@ -81,7 +83,9 @@ def test_silent_address_fails_within_the_timeout(monkeypatch):
 
 def test_ray_connection_errors_are_named():
     ray = FakeRay(init_error=ConnectionError("Could not find any running Ray instance."))
-    with pytest.raises(ConfigError, match=r"run.ray_address='auto': Ray could not join.*running"):
+    with pytest.raises(
+        ConfigError, match=r"rollout.workers.address='auto': Ray could not join.*running"
+    ):
         connect(ray, "auto", 600.0)
     local = FakeRay(init_error=ConnectionError("local start failed"))
     with pytest.raises(ConnectionError):  # starting a local Ray is not about an address
@@ -90,10 +94,10 @@ def test_ray_connection_errors_are_named():
 
 def test_missing_resources_are_named():
     ray = FakeRay({"CPU": 2.0})
-    with pytest.raises(UnsupportedError, match=r"run.worker_gpus=1 needs 1 GPU\(s\).*has 0"):
+    with pytest.raises(UnsupportedError, match=r"rollout.workers.gpus=1 needs 1 GPU\(s\).*has 0"):
         check_resources(ray, 1, 1.0, 1.0, None)
     with pytest.raises(
-        UnsupportedError, match=r"rollout_workers=3 x run.worker_cpus=1 needs 3 CPU"
+        UnsupportedError, match=r"rollout.workers.count=3 x rollout.workers.cpus=1 needs 3 CPU"
     ):
         check_resources(ray, 3, 1.0, 0.0, "10.0.0.5:6379")
     check_resources(ray, 2, 1.0, 0.0, None)
@@ -120,17 +124,21 @@ def _one_line(result: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.skipif(not HAS_RAY, reason="ray is not installed")
-def test_train_with_an_unreachable_ray_address_fails_naming_it(tmp_path):
+def test_train_with_an_unreachable_workers_address_fails_naming_it(tmp_path):
     address = f"127.0.0.1:{_closed_port()}"
-    result, seconds = _train(tmp_path, "--run.rollout-workers", "1", "--run.ray-address", address)
-    assert f"run.ray_address='{address}'" in _one_line(result)
+    result, seconds = _train(
+        tmp_path, "--rollout.workers.count", "1", "--rollout.workers.address", address
+    )
+    assert f"rollout.workers.address='{address}'" in _one_line(result)
     assert seconds < 120  # was: retries for more than 120 s without a message
 
 
 @pytest.mark.skipif(not HAS_RAY, reason="ray is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_train_with_worker_gpus_and_no_gpu_says_what_is_missing(tmp_path):
-    result, seconds = _train(tmp_path, "--run.rollout-workers", "1", "--run.worker-gpus", "1")
+    result, seconds = _train(
+        tmp_path, "--rollout.workers.count", "1", "--rollout.workers.gpus", "1"
+    )
     line = _one_line(result)
-    assert "run.worker_gpus=1 needs 1 GPU(s)" in line and "has 0" in line
-    assert seconds < 120  # was: a silent wait of run.worker_timeout (600 s)
+    assert "rollout.workers.gpus=1 needs 1 GPU(s)" in line and "has 0" in line
+    assert seconds < 120  # was: a silent wait of the worker timeout (600 s)

@@ -10,13 +10,13 @@ from flashrl.rl.compare import compare_variants
 
 def test_unquantized_dtypes_and_bf16():
     assert compare_variants("fp32") == [
-        ("fp32", {"rollout.quant": "bf16", "run.rollout_dtype": "fp32"})
+        ("fp32", {"rollout.quant": "bf16", "rollout.dtype": "fp32"})
     ]
     assert compare_variants("FP16") == [
-        ("fp16", {"rollout.quant": "bf16", "run.rollout_dtype": "fp16"})
+        ("fp16", {"rollout.quant": "bf16", "rollout.dtype": "fp16"})
     ]
     assert compare_variants("bf16") == [
-        ("bf16", {"rollout.quant": "bf16", "run.rollout_dtype": "bf16"})
+        ("bf16", {"rollout.quant": "bf16", "rollout.dtype": "bf16"})
     ]
     assert compare_variants("int8") == [("int8", {"rollout.quant": "int8"})]
 
@@ -25,7 +25,7 @@ def test_notis_turns_the_importance_weight_off():
     assert compare_variants(" fp32-notis , int8-notis,") == [
         (
             "fp32-notis",
-            {"rollout.quant": "bf16", "run.rollout_dtype": "fp32", "correction.weight": "none"},
+            {"rollout.quant": "bf16", "rollout.dtype": "fp32", "correction.weight": "none"},
         ),
         ("int8-notis", {"rollout.quant": "int8", "correction.weight": "none"}),
     ]
@@ -54,7 +54,7 @@ def test_stochastic_rounding_suffix():
     variants = dict(compare_variants("bf16-sr,int8-notis-sr,fp32-sr"))
     assert variants["bf16-sr"] == {
         "rollout.quant": "bf16",
-        "run.rollout_dtype": "bf16",
+        "rollout.dtype": "bf16",
         "rollout.sync_rounding": "stochastic",
     }
     assert variants["int8-sr-notis"]["correction.weight"] == "none"

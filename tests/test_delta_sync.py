@@ -1,4 +1,4 @@
-"""Quantized delta sync (``run.weight_payload=delta``, issue 26 item 2): scale hysteresis, (index,
+"""Quantized delta sync (``rollout.workers.payload=delta``, issue 26 item 2): scale hysteresis, (index,
 code) pairs, checksums and repairs. Most tests run the trainer's `DeltaSender` against in-process
 `RolloutWorker`s through a loopback (the same `receive` a Ray actor runs, minus the gloo bytes);
 one runs a real pool over gloo."""
@@ -295,9 +295,15 @@ def test_a_repair_that_fails_again_stops_the_run(tiny):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"band": 1.0}, r"run.delta_scale_band=1.0 is invalid; allowed: a number >= 0 and < 1"),
+        (
+            {"band": 1.0},
+            r"rollout.workers.delta_scale_band=1.0 is invalid; allowed: a number >= 0 and < 1",
+        ),
         ({"band": -0.1}, r"delta_scale_band=-0.1"),
-        ({"full_every": -1}, r"run.delta_full_every=-1 is invalid; allowed: an integer >= 0"),
+        (
+            {"full_every": -1},
+            r"rollout.workers.delta_full_every=-1 is invalid; allowed: an integer >= 0",
+        ),
     ],
 )
 def test_sender_settings_are_checked(kwargs, match):
@@ -308,13 +314,22 @@ def test_sender_settings_are_checked(kwargs, match):
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        ({"run.weight_payload": "xor"}, "allowed: stream, codes, delta"),
-        ({"run.delta_scale_band": 1.5}, r"run.delta_scale_band=1.5 is invalid; allowed: a number"),
-        ({"run.delta_scale_band": float("nan")}, r"run.delta_scale_band=nan is not a number"),
-        ({"run.delta_full_every": -2}, r"run.delta_full_every=-2 is invalid"),
+        ({"rollout.workers.payload": "xor"}, "allowed: stream, codes, delta"),
+        (
+            {"rollout.workers.delta_scale_band": 1.5},
+            r"rollout.workers.delta_scale_band=1.5 is out of range; allowed: a number",
+        ),
+        (
+            {"rollout.workers.delta_scale_band": float("nan")},
+            r"rollout.workers.delta_scale_band=nan is not a number",
+        ),
+        (
+            {"rollout.workers.delta_full_every": -2},
+            r"rollout.workers.delta_full_every=-2 is invalid",
+        ),
         (  # the trainer rounds the codes to nearest: stochastic sync rounding would be lost
-            {"rollout.sync_rounding": "stochastic", "run.weight_payload": "delta"},
-            "run.weight_payload=delta sends codes the trainer rounds",
+            {"rollout.sync_rounding": "stochastic", "rollout.workers.payload": "delta"},
+            "rollout.workers.payload=delta sends codes the trainer rounds",
         ),
     ],
 )
@@ -334,12 +349,15 @@ def test_gloo_delta_sync_band_zero_matches_an_in_process_update(tiny, caplog):
     """band 0 over a real pool: after every step each worker stores what an in-process
     `update_weights` stores; deltas carry fewer bytes than codes; a worker whose weights were
     changed outside the sync is repaired at the next one, with a warning."""
-    from flashrl.distributed.pool import PoolConfig, WorkerPool
+    from flashrl.distributed.config import WorkersConfig
+    from flashrl.distributed.pool import WorkerPool
 
     named = [(n, t.float()) for n, t in iter_checkpoint(tiny)]
     reference = engine_factory(tiny)()
-    config = PoolConfig(workers=2, payload="delta", delta_band=0.0, delta_full_every=3)
-    config.bucket_bytes, config.timeout_s = 4099, 120
+    config = WorkersConfig(
+        count=2, payload="delta", delta_scale_band=0.0, delta_full_every=3, timeout=120,
+        bucket_mb=4099 / 2**20,  # a bucket boundary inside most tensors
+    )  # fmt: skip
     pool = WorkerPool(engine_factory(tiny), config)
     quantized = pool.quantized
     g = torch.Generator().manual_seed(7)

@@ -37,6 +37,9 @@ def policy_dir(tmp_path_factory):
     )
 
 
+WORKERS = "rollout.workers.count"
+
+
 def config(model_dir, out, **overrides):
     values = dict(
         model=str(model_dir),
@@ -50,11 +53,11 @@ def config(model_dir, out, **overrides):
         plot=False,
         lr=1e-2,
         device="cpu",
-        rollout_dtype="fp32",
+        dtype="fp32",
         reward="text_length",
-        rollout_shards=2,
-        worker_timeout=120.0,
+        shards=2,
     )
+    values["rollout.workers.timeout"] = 120.0
     values.update(overrides)
     return build_config("tiny-cpu", None, dotted(values))
 
@@ -68,12 +71,12 @@ def computed(path):
 def test_workers_give_the_bits_of_the_in_process_run(policy_dir, tmp_path, quant):
     local = Trainer(config(policy_dir, tmp_path / "local", quant=quant, save_every=2))
     local.train()
-    one = Trainer(config(policy_dir, tmp_path / "one", quant=quant, rollout_workers=1))
+    one = Trainer(config(policy_dir, tmp_path / "one", quant=quant, **{WORKERS: 1}))
     one.train()
-    two = Trainer(config(policy_dir, tmp_path / "two", quant=quant, rollout_workers=2, steps=2))
+    two = Trainer(config(policy_dir, tmp_path / "two", quant=quant, **{WORKERS: 2}, steps=2))
     two.train()
     resumed = Trainer(
-        config(policy_dir, tmp_path / "two", quant=quant, rollout_workers=2, resume="latest")
+        config(policy_dir, tmp_path / "two", quant=quant, **{WORKERS: 2}, resume="latest")
     )
     assert resumed.step == 2
     resumed.train()
@@ -96,7 +99,7 @@ def test_killed_worker_is_named_and_the_checkpoint_survives(policy_dir, tmp_path
     from flashrl.engine.engine import Engine
 
     out = tmp_path / "run"
-    trainer = Trainer(config(policy_dir, out, rollout_workers=2, steps=5, save_every=2))
+    trainer = Trainer(config(policy_dir, out, **{WORKERS: 2}, steps=5, save_every=2))
     step = Trainer.train_step
 
     def kill_then_step(self):
@@ -117,9 +120,13 @@ def test_async_rollouts_run_one_step_stale_and_learn(tmp_path):
     """The tiny task, shortened, with generation one step ahead on one worker: staleness 1 from
     the second step on, and the reward still rises (decoupled IS against the rollout logprobs)."""
     overrides = {"run.steps": 60, "run.output_dir": str(tmp_path / "async"), "run.plot": False}
-    overrides |= {"rollout_workers": "1", "async_rollouts": "true", "run.worker_timeout": 300}
+    overrides |= {WORKERS: "1", "rollout.workers.async_rollouts": "true"}
+    overrides["rollout.workers.timeout"] = 300
     trainer = Trainer(build_config("tiny-cpu", None, overrides))
-    assert trainer.config.run.async_rollouts and trainer.config.correction.mode == "decoupled"
+    assert (
+        trainer.config.rollout.workers.async_rollouts
+        and trainer.config.correction.mode == "decoupled"
+    )
     trainer.train()
     metrics = read_metrics(trainer.metrics_path)
     assert [m["rollout/staleness"] for m in metrics] == [0.0] + [1.0] * 59
@@ -134,13 +141,14 @@ def test_async_rollouts_run_one_step_stale_and_learn(tmp_path):
 def test_a_worker_that_cannot_build_its_backend_says_why():
     """A worker whose backend fails in its constructor (here: vLLM missing in the worker's Python,
     the real check `make_backend` runs) is named with that cause, not only as a dead actor."""
-    from flashrl.distributed.pool import PoolConfig, RolloutWorkerError, WorkerPool
+    from flashrl.distributed.config import WorkersConfig
+    from flashrl.distributed.pool import RolloutWorkerError, WorkerPool
     from flashrl.vllm_backend.install_check import require_vllm
 
-    factory = functools.partial(require_vllm, "run.backend=vllm")
+    factory = functools.partial(require_vllm, "rollout.backend=vllm")
     with pytest.raises(
         RolloutWorkerError,
         match=r"rollout worker 0 died during 'start' \(its backend failed to start: "
-        r"UnsupportedError: run.backend=vllm needs vLLM, which is not installed",
+        r"UnsupportedError: rollout.backend=vllm needs vLLM, which is not installed",
     ):
-        WorkerPool(factory, PoolConfig(workers=1, cpus=1, timeout_s=60))
+        WorkerPool(factory, WorkersConfig(count=1, cpus=1, timeout=60))

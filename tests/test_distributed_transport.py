@@ -81,7 +81,8 @@ def test_sharded_generation_keeps_tokens_and_one_shard_is_todays_call(models):
     [("stream", torch.bfloat16), ("codes", torch.bfloat16), ("codes", torch.float32)],
 )
 def test_gloo_sync_matches_an_in_process_update(models, payload, dtype):
-    from flashrl.distributed.pool import PoolConfig, WorkerPool
+    from flashrl.distributed.config import WorkersConfig
+    from flashrl.distributed.pool import WorkerPool
 
     old, new = models
     named = [(n, t.to(dtype)) for n, t in iter_checkpoint(new)]
@@ -89,9 +90,9 @@ def test_gloo_sync_matches_an_in_process_update(models, payload, dtype):
     reference.update_weights(named)
     expected = reference.model.state_dict()
     factory = engine_factory(old)
-    pool = WorkerPool(
-        factory, PoolConfig(workers=2, payload=payload, bucket_bytes=4099, timeout_s=120)
-    )
+    config = WorkersConfig(count=2, payload=payload, bucket_mb=4099 / 2**20, timeout=120)
+    assert config.bucket_bytes == 4099  # a bucket boundary inside most tensors
+    pool = WorkerPool(factory, config)
     try:
         before = pool.call("state")[0]
         out = pool.sync(named)
@@ -111,14 +112,28 @@ def test_gloo_sync_matches_an_in_process_update(models, payload, dtype):
     assert out["worker1/requant_s"] > 0
 
 
-def test_short_flags_parse_to_run_fields():
-    from flashrl.rl.config_build import build_config
+def test_nested_worker_flags_parse_into_the_workers_group(monkeypatch):
+    """``--rollout.workers.count 2`` and friends land in `config.rollout.workers` (the object
+    `WorkerPool` is given: tests/test_rollout_group.py); the short flags of issue 14 name their
+    new flags."""
+    import flashrl.rl.run
+    from flashrl.errors import ConfigError
+    from flashrl.tools.cli import main
     from flashrl.tools.train import parse_overrides
 
-    tokens = ["--rollout-workers", "2", "--ray-address", "auto", "--async-rollouts"]
-    config = build_config("tiny-cpu", None, parse_overrides(tokens))
-    r = config.run
-    assert (r.rollout_workers, r.ray_address, r.async_rollouts) == (2, "auto", True)
+    seen = []
+    monkeypatch.setattr(flashrl.rl.run, "run", seen.append)
+    tokens = ["--rollout.workers.count", "2", "--rollout.workers.address", "auto"]
+    assert main(["train", *tokens, "--rollout.workers.async-rollouts"]) == 0
+    w = seen[0].rollout.workers
+    assert (w.count, w.address, w.async_rollouts) == (2, "auto", True)
+    for old, new in [
+        ("--rollout-workers", "--rollout.workers.count"),
+        ("--ray-address", "--rollout.workers.address"),
+        ("--async-rollouts", "--rollout.workers.async-rollouts"),
+    ]:
+        with pytest.raises(ConfigError, match=f"^{old} was renamed: use {new}$"):
+            parse_overrides([old, "1"])
 
 
 def test_without_ray_the_flags_give_the_install_hint(models, tmp_path, monkeypatch, capsys):
@@ -127,7 +142,7 @@ def test_without_ray_the_flags_give_the_install_hint(models, tmp_path, monkeypat
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     out = tmp_path / "run"
     args = ["train", "--model", str(models[0]), "--run.output-dir", str(out)]
-    code = main([*args, "--rollout-workers", "2", "--run.device", "cpu", "--run.steps", "1"])
+    code = main([*args, "--rollout.workers.count", "2", "--run.device", "cpu", "--run.steps", "1"])
     assert code != 0
     assert "pip install 'flashrl[ray]'" in capsys.readouterr().err
     assert not out.exists()  # refused before anything was written
@@ -140,10 +155,11 @@ def test_a_hanging_worker_is_named_within_the_deadline():
 
     import ray
 
-    from flashrl.distributed.pool import PoolConfig, RolloutWorkerError, WorkerPool
+    from flashrl.distributed.config import WorkersConfig
+    from flashrl.distributed.pool import RolloutWorkerError, WorkerPool
 
     pool = WorkerPool.__new__(WorkerPool)  # only the deadline logic: no actors needed
-    pool.ray, pool.config = ray, PoolConfig(timeout_s=2.0)
+    pool.ray, pool.config = ray, WorkersConfig(count=2, timeout=2.0)
 
     def nap(seconds: float) -> None:  # local, so Ray pickles it by value
         import time
@@ -164,7 +180,8 @@ def test_a_hanging_worker_is_named_within_the_deadline():
 def test_workers_recalibrate_fp8_kv_scales_like_the_engine(models):
     """fp8 KV cache with calibrated scales: after generating and a stream sync, a worker's KV scales
     (recalibrated on its recent sequences) equal an in-process engine's after the same calls."""
-    from flashrl.distributed.pool import PoolConfig, WorkerPool
+    from flashrl.distributed.config import WorkersConfig
+    from flashrl.distributed.pool import WorkerPool
     from flashrl.distributed.rollouts import PoolRollouts
 
     old, new = models
@@ -178,7 +195,7 @@ def test_workers_recalibrate_fp8_kv_scales_like_the_engine(models):
     expected_rollouts = local.collect(local.submit(prompts, params))
     before = reference.kv_scales.k.clone()
     reference.update_weights(named)
-    pool = WorkerPool(factory, PoolConfig(workers=1, timeout_s=120))
+    pool = WorkerPool(factory, WorkersConfig(count=1, timeout=120))
     try:
         remote = PoolRollouts(pool, 1)
         rollouts = remote.collect(remote.submit(prompts, params))
@@ -196,10 +213,16 @@ def test_workers_recalibrate_fp8_kv_scales_like_the_engine(models):
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        ({"run.async_rollouts": True}, "needs run.rollout_workers >= 1"),
-        ({"run.rollout_workers": -1}, "run.rollout_workers=-1"),
-        ({"run.weight_payload": "fp8"}, "allowed: stream, codes"),
-        ({"run.rollout_workers": 2, "run.worker_tp": 2}, "needs run.backend=vllm"),
+        (
+            {"rollout.workers.async_rollouts": True},
+            "rollout.workers.async_rollouts needs rollout.workers.count >= 1",
+        ),
+        ({"rollout.workers.count": -1}, "rollout.workers.count=-1"),
+        ({"rollout.workers.payload": "fp8"}, "allowed: stream, codes"),
+        ({"rollout.workers.bucket_mb": 0}, "rollout.workers.bucket_mb=0.0 is out of range"),
+        ({"rollout.shards": -1}, "rollout.shards=-1"),
+        ({"rollout.backend_kwargs": '{"tensor_parallel_size": 2}'}, "builtin engine takes none"),
+        ({"run.worker_tp": 2}, 'use rollout.backend_kwargs with {"tensor_parallel_size": N}'),
     ],
 )
 def test_worker_config_errors_name_the_field(overrides, match):

@@ -46,7 +46,7 @@ def moe_config(model_dir, out, **overrides):
         "algo.max_response_tokens": 5,
         "run.plot": False,
         "algo.lr": 1e-2,
-        "run.rollout_dtype": "fp32",
+        "rollout.dtype": "fp32",
         "data.reward": "text_length",
     }
     values.update(overrides)

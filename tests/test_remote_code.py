@@ -169,9 +169,11 @@ def test_check_names_the_entry_and_where_its_code_lives(tmp_path):
 
 
 def test_trust_remote_code_cannot_be_switched_on():
-    with pytest.raises(ConfigError, match="run.vllm_kwargs: trust_remote_code=True is not allowed"):
-        build_config("tiny-cpu", None, {"run.vllm_kwargs": '{"trust_remote_code": true}'})
-    build_config("tiny-cpu", None, {"run.vllm_kwargs": '{"trust_remote_code": false}'})
+    vllm = {"rollout.backend": "vllm"}
+    kwargs = "rollout.backend_kwargs"
+    with pytest.raises(ConfigError, match=f"{kwargs}: trust_remote_code=True is not allowed"):
+        build_config("tiny-cpu", None, {**vllm, kwargs: '{"trust_remote_code": true}'})
+    build_config("tiny-cpu", None, {**vllm, kwargs: '{"trust_remote_code": false}'})
 
 
 def _no_remote_code(call: ast.Call, assigned: dict[str, ast.expr]) -> bool:
@@ -256,7 +258,7 @@ def test_resume_refuses_a_checkpoint_that_asks_for_code(tiny, tmp_path, manifest
         values = dict(
             model=str(tiny), output_dir=str(tmp_path / "run"), steps=1, batch_size=4,
             group_size=2, micro_batch_size=4, max_response_tokens=2, task_max_operand=9,
-            plot=False, device="cpu", rollout_dtype="fp32", reward="exact_match",
+            plot=False, device="cpu", dtype="fp32", reward="exact_match",
         )  # fmt: skip
         values.update(extra)
         return build_config("tiny-cpu", None, dotted(values))

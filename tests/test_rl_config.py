@@ -19,7 +19,7 @@ from flashrl.rl.checkpoint import config_differences
 from flashrl.rl.config import RESUME_FREE_FIELDS, TrainConfig, field_names
 from flashrl.rl.config_build import build_config, stored_values
 from flashrl.rl.plan import check_resume_config
-from flashrl.rl.renamed import RENAMED
+from flashrl.rl.renamed import FLAT_RENAMED
 from flashrl.rl.values import coerce
 from flashrl.tools import args as flags
 from flashrl.tools.cli import build_parser, main
@@ -98,9 +98,9 @@ def no_training(monkeypatch):
 
 def test_every_old_name_has_a_new_field():
     """The refusal messages name fields that exist (``rollout.file`` is a flag, not a field)."""
-    assert set(RENAMED) | {"model"} == set(FLAT_CONFIG)
-    assert set(RENAMED.values()) <= set(field_names()) | {"rollout.file"}
-    assert len(set(RENAMED.values())) == len(RENAMED)  # one new name per old one
+    assert set(FLAT_RENAMED) | {"model"} == set(FLAT_CONFIG)
+    assert set(FLAT_RENAMED.values()) <= set(field_names()) | {"rollout.file"}
+    assert len(set(FLAT_RENAMED.values())) == len(FLAT_RENAMED)  # one new name per old one
 
 
 def test_yaml_of_the_nested_shape_round_trips(tmp_path):
@@ -201,13 +201,15 @@ def test_old_flat_yaml_keys_and_overrides_are_refused(tmp_path):
         f"was renamed: use rollout.quant; correction was renamed: use correction.weight; data "
         f"was renamed: use data.path"
     )
-    with pytest.raises(ConfigError, match=r"^overrides: max_batch was renamed: use run.max_batch$"):
+    with pytest.raises(
+        ConfigError, match=r"^overrides: max_batch was renamed: use rollout.max_batch$"
+    ):
         build_config("tiny-cpu", None, {"max_batch": "4"})
     with pytest.raises(ConfigError, match="tis_cap was renamed: use correction.cap; tis_cap 0 is"):
         build_config("tiny-cpu", None, {"tis_cap": 0})
     path.write_text("run:\n  steps: 7\nalgo:\n  lr: 0.5\ndata:\n")  # the new spelling loads
-    config = build_config("tiny-cpu", str(path), {"run.max_batch": "4"})
-    assert (config.run.steps, config.algo.lr, config.run.max_batch) == (7, 0.5, 4)
+    config = build_config("tiny-cpu", str(path), {"rollout.max_batch": "4"})
+    assert (config.run.steps, config.algo.lr, config.rollout.max_batch) == (7, 0.5, 4)
 
 
 def test_group_names_take_mappings(tmp_path):
@@ -232,15 +234,22 @@ def test_rollout_file_is_the_base_of_the_rollout_group(tmp_path):
     config = build_config(
         "tiny-cpu", None, {"rollout.file": str(path)}
     )  # the preset's int8 does not win
-    assert config.rollout == RolloutConfig(
+    assert config.rollout.as_rollout_config() == RolloutConfig(
         quant="fp8_channel", kv_cache_dtype="fp8", lm_head_fp32=True
     )
+    # the engine fields are not in such a file: every layer sets them as usual
+    engine = build_config("tiny-cpu", None, {"rollout.file": str(path), "rollout.dtype": "fp32"})
+    assert engine.rollout.dtype == "fp32" and engine.rollout.quant == "fp8_channel"
     explicit = build_config(
         "tiny-cpu", None, {"rollout.file": str(path), "rollout.lm_head_fp32": "false"}
     )
     assert explicit.rollout.lm_head_fp32 is False and explicit.rollout.quant == "fp8_channel"
     with pytest.raises(FileNotFoundError, match="rollout.file"):
         build_config(None, None, {"rollout.file": str(tmp_path / "missing.yaml")})
+    engine_keys = tmp_path / "engine.yaml"  # as refused by vLLM's FLASHRL_CONFIG
+    engine_keys.write_text(path.read_text() + "dtype: fp32\n")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) dtype; allowed: quant, skip"):
+        build_config("tiny-cpu", None, {"rollout.file": str(engine_keys)})
 
 
 def test_checkpoint_configs_compare_and_an_old_flat_one_is_refused():
@@ -256,7 +265,7 @@ def test_checkpoint_configs_compare_and_an_old_flat_one_is_refused():
         "run.seed: 0 in the checkpoint, 3 now",
     ]
     # a flat config is not translated: nothing under the new names would be compared
-    with pytest.raises(CheckpointError, match=r"ckpt stores its config in flashrl 0.1's flat"):
+    with pytest.raises(CheckpointError, match=r"ckpt stores its config under old names"):
         check_resume_config(changed, Path("ckpt"), FLAT_CONFIG)
     with pytest.raises(CheckpointError, match="rollout_quant.*--run.resume-allow-changes all"):
         stored_values(FLAT_CONFIG)

@@ -47,7 +47,7 @@ def small_config(model_dir, out, **overrides):
         plot=False,
         lr=1e-2,
         device="cpu",
-        rollout_dtype="fp32",
+        dtype="fp32",
         reward="text_length",
     )
     values.update(overrides)

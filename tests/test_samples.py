@@ -241,4 +241,4 @@ def test_sample_and_weight_change_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"run.samples_per_step=-1 must be an integer >= 0"):
         tiny(tmp_path, **{"run.samples_per_step": -1})
     with pytest.raises(ConfigError, match="run.log_weight_changes needs the built-in engine"):
-        tiny(tmp_path, **{"run.rollout_workers": 1})
+        tiny(tmp_path, **{"rollout.workers.count": 1})

@@ -187,21 +187,21 @@ def test_smoothing_config_errors(tiny_models):
     "rollout", [{"rollout.smooth": "0.5"}, {"rollout.sync_rounding": "stochastic"}]
 )
 def test_train_config_refuses_trainer_made_codes_with_worker_only_rounding(rollout):
-    """With run.weight_payload=codes the trainer quantizes (nearest, unsmoothed): smoothing or
+    """With rollout.workers.payload=codes the trainer quantizes (nearest, unsmoothed): smoothing or
     stochastic rounding on the workers would be silently lost, so the config is refused."""
     from flashrl.rl.config_build import build_config
 
     flags = {"rollout.quant": "int8", **rollout}
     assert build_config("tiny-cpu", None, flags).rollout.quant == "int8"  # fine with stream
     with pytest.raises(
-        ConfigError, match="run.weight_payload=codes sends codes the trainer rounds"
+        ConfigError, match="rollout.workers.payload=codes sends codes the trainer rounds"
     ):
-        build_config("tiny-cpu", None, {**flags, "run.weight_payload": "codes"})
+        build_config("tiny-cpu", None, {**flags, "rollout.workers.payload": "codes"})
 
 
 def test_train_config_refuses_smoothing_on_ray_workers():
     from flashrl.rl.config_build import build_config
 
-    flags = {"rollout.quant": "int8", "rollout.smooth": "0.5", "run.rollout_workers": "2"}
+    flags = {"rollout.quant": "int8", "rollout.smooth": "0.5", "rollout.workers.count": "2"}
     with pytest.raises(ConfigError, match="rollout.smooth=0.5 runs in the trainer's own engine"):
         build_config("tiny-cpu", None, flags)

@@ -1,4 +1,4 @@
-"""`flashrl train --run.backend vllm`: the tiny preset runs three steps with vLLM rollouts (int8 via the
+"""`flashrl train --rollout.backend vllm`: the tiny preset runs three steps with vLLM rollouts (int8 via the
 flashrl plugin, per-step weight push) and logs the mismatch metrics."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def test_three_step_vllm_training_run(tmp_path, monkeypatch):
     code = main(
         [
             "train",
-            "--run.backend",
+            "--rollout.backend",
             "vllm",
             "--run.steps",
             "3",
@@ -31,7 +31,7 @@ def test_three_step_vllm_training_run(tmp_path, monkeypatch):
             str(out),
             "--run.plot",
             "false",
-            "--run.vllm-kwargs",
+            "--rollout.backend-kwargs",
             '{"enforce_eager": true}',
         ]
     )

@@ -258,11 +258,20 @@ def resolve_config(
 ) -> RolloutConfig:
     """A scheme name (``int8``), a YAML path or a config passes through; None gives the defaults.
 
-    Errors name `source` (e.g. ``FLASHRL_CONFIG``), the value and the allowed values.
+    Errors name `source` (e.g. ``FLASHRL_CONFIG``), the value and the allowed values. A subclass
+    with fields of its own (the training config's rollout group) is refused: an engine would ignore
+    them silently.
     """
     if value is None:
         return RolloutConfig()
     if isinstance(value, RolloutConfig):
+        own = {f.name for f in fields(RolloutConfig)}
+        extra = [f.name for f in fields(value) if f.name not in own]
+        if extra:
+            raise ConfigError(
+                f"{source}: a {type(value).__name__} holds fields a rollout engine does not read "
+                f"({', '.join(extra)}); pass its RolloutConfig part (as_rollout_config())"
+            )
         return value
     text = str(value).strip()
     if text.lower() in SCHEME_NAMES:

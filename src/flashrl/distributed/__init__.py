@@ -1,5 +1,7 @@
 """Scale-out of the rollout side on Ray: rollout workers, weight transports, async rollouts.
 
+- `config`: `WorkersConfig`, the ``rollout.workers`` group of a training run and the pool's own
+  config (no Ray, no torch);
 - `sharding`: how one step's prompts split into shards (a function of the config, not of the
   number of workers) and the per-shard seeds that keep every request's random stream;
 - `transport`: weight transfer in vLLM's phases (init once; start, update, finish per sync):

@@ -5,7 +5,7 @@ and an actor whose resources the cluster lacks (``num_gpus=1`` on a machine with
 forever to be placed. So, before any actor starts: the address is parsed (``auto``,
 ``host:port`` or ``ray://host:port``), a ``host:port`` is probed with one TCP connection within a
 deadline, Ray's own connection errors are named, and the cluster's CPUs and GPUs are compared with
-what the workers ask for. Each failure is a `ConfigError` naming ``run.ray_address`` or the
+what the workers ask for. Each failure is a `ConfigError` naming ``rollout.workers.address`` or the
 resource, with what is allowed.
 """
 
@@ -32,7 +32,7 @@ def parse_address(address: str) -> tuple[str, int] | None:
     host = host.strip("[]")  # an IPv6 literal in brackets
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ConfigError(
-            f"run.ray_address={address!r} is not a Ray address; allowed: {ADDRESS_FORMS}, or "
+            f"rollout.workers.address={address!r} is not a Ray address; allowed: {ADDRESS_FORMS}, or "
             f"leave it unset to start a local Ray"
         )
     return host, int(port)
@@ -51,8 +51,8 @@ def connect(ray: Any, address: str | None, timeout_s: float, **kwargs: Any) -> N
                 timed_out = isinstance(err, TimeoutError)
                 reason = f"no answer within {wait:g} s" if timed_out else err.strerror or err
                 raise ConfigError(
-                    f"run.ray_address={address!r}: no Ray cluster answers there ({reason}); start one with 'ray start --head' and give its address "
-                    f"({ADDRESS_FORMS}), or leave run.ray_address unset to start a local Ray"
+                    f"rollout.workers.address={address!r}: no Ray cluster answers there ({reason}); start one with 'ray start --head' and give its address "
+                    f"({ADDRESS_FORMS}), or leave rollout.workers.address unset to start a local Ray"
                 ) from None
     try:
         ray.init(address=address, **kwargs)
@@ -60,7 +60,7 @@ def connect(ray: Any, address: str | None, timeout_s: float, **kwargs: Any) -> N
         if address is None:
             raise
         raise ConfigError(
-            f"run.ray_address={address!r}: Ray could not join the cluster there "
+            f"rollout.workers.address={address!r}: Ray could not join the cluster there "
             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
             f"allowed: {ADDRESS_FORMS}"
         ) from None
@@ -71,11 +71,11 @@ def check_resources(ray: Any, workers: int, cpus: float, gpus: float, address: s
     than `workers` actors of `cpus` and `gpus` each need (they would wait forever to be placed)."""
     total = ray.cluster_resources()
     where = "the local Ray" if address is None else f"the Ray cluster at {address}"
-    for name, per_worker, flag in (("GPU", gpus, "worker_gpus"), ("CPU", cpus, "worker_cpus")):
+    for name, per_worker, flag in (("GPU", gpus, "gpus"), ("CPU", cpus, "cpus")):
         need, have = workers * per_worker, float(total.get(name, 0.0))
         if need > have:
             raise UnsupportedError(
-                f"run.rollout_workers={workers} x run.{flag}={per_worker:g} needs {need:g} "
-                f"{name}(s), but {where} has {have:g}; lower run.{flag} (run.worker_gpus=0 "
-                f"runs the workers on CPU) or add {name}s to the cluster"
+                f"rollout.workers.count={workers} x rollout.workers.{flag}={per_worker:g} needs "
+                f"{need:g} {name}(s), but {where} has {have:g}; lower rollout.workers.{flag} "
+                f"(rollout.workers.gpus=0 runs the workers on CPU) or add {name}s to the cluster"
             )

@@ -1,4 +1,4 @@
-"""Quantized delta sync (``run.weight_payload=delta``): only the codes that changed cross the wire.
+"""Quantized delta sync (``rollout.workers.payload=delta``): only the codes that changed cross the wire.
 
 The trainer (`DeltaSender`) keeps a mirror of what every worker stores for each weight the workers
 keep quantized: its codes, its fp32 scales and, per scale element, the amax that scale was made
@@ -18,7 +18,7 @@ from (`ref_amax`). One sync:
 3. **Wire** (`diff_codes`): the codes that differ from the mirror, as (flat index, new code) pairs
    (int32 indices, int64 for tensors of 2**31 codes or more), plus the whole scale tensor. A tensor
    whose pairs would outweigh its codes travels whole (kind ``codes``). Every
-   ``run.delta_full_every``-th sync, the first one and every repair send all codes whole; the scales
+   ``rollout.workers.delta_full_every``-th sync, the first one and every repair send all codes whole; the scales
    follow the same hysteresis, so the result never depends on which syncs were full.
 4. **Unquantized weights** (`flashrl.distributed.dense_delta`, when the workers report their
    storage dtypes): rounded to that dtype on the trainer; after the first sync only the changed
@@ -157,12 +157,12 @@ class DeltaSender:
     def __init__(self, band: float = 0.05, full_every: int = 20) -> None:
         if isinstance(band, bool) or not 0.0 <= band < 1.0:
             raise ConfigError(
-                f"run.delta_scale_band={band!r} is invalid; allowed: a number >= 0 and < 1 "
+                f"rollout.workers.delta_scale_band={band!r} is invalid; allowed: a number >= 0 and < 1 "
                 f"(0: fresh scales at every sync, the codes payload bit for bit)"
             )
         if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 0:
             raise ConfigError(
-                f"run.delta_full_every={full_every!r} is invalid; allowed: an integer >= 0 "
+                f"rollout.workers.delta_full_every={full_every!r} is invalid; allowed: an integer >= 0 "
                 f"(0: full only at the first sync and after a checksum mismatch)"
             )
         self.band, self.full_every = band, full_every

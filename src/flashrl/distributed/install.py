@@ -23,7 +23,7 @@ _INDEX = ("int32", "int64")
 
 def quantized_names(engine) -> dict[str, str]:
     """HF weight name -> scheme name for every weight the engine stores as codes (what the trainer
-    may quantize for it with ``run.weight_payload=codes``)."""
+    may quantize for it with ``rollout.workers.payload=codes``)."""
     out = {}
     for name in sorted(engine.weights.expected):
         targets = engine.weights.resolve(name)

@@ -1,6 +1,6 @@
 """`WorkerPool`: the trainer's handle on N rollout workers (Ray actors) and their weight group.
 
-Every remote call is waited for with a deadline (`PoolConfig.timeout_s`), and a worker that died
+Every remote call is waited for with a deadline (`WorkersConfig.timeout`), and a worker that died
 or did not answer in time is named in a `RolloutWorkerError`; the gloo / NCCL group has the same
 timeout, so a sync to a dead worker fails instead of hanging. Ray is imported only here, lazily:
 without it, `require_ray` raises an `UnsupportedError` with the one-line install hint.
@@ -13,7 +13,6 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,9 +20,9 @@ import torch
 from flashrl.core.rollout import Rollout, RolloutBackend
 from flashrl.core.sampling import SamplingParams
 from flashrl.distributed.cluster import check_resources, connect
+from flashrl.distributed.config import WorkersConfig
 from flashrl.distributed.delta import DeltaSender, delta_sync
 from flashrl.distributed.transport import (
-    DEFAULT_BUCKET_BYTES,
     BucketBroadcast,
     free_port,
     make_group,
@@ -31,7 +30,7 @@ from flashrl.distributed.transport import (
     plan,
 )
 from flashrl.distributed.worker import RolloutWorker
-from flashrl.errors import FlashRLError, UnsupportedError
+from flashrl.errors import ConfigError, FlashRLError, UnsupportedError
 
 logger = logging.getLogger(__name__)
 INSTALL_HINT = "rollout workers need Ray: pip install 'flashrl[ray]'"
@@ -66,50 +65,34 @@ def require_ray() -> Any:
     return ray
 
 
-@dataclass
-class PoolConfig:
-    """How many workers, where, with what resources, and how weights travel."""
-
-    workers: int = 1
-    address: str | None = None
-    """None: start a local Ray instance; 'auto' or host:port: join an existing cluster."""
-    cpus: float = 1.0
-    gpus: float = 0.0
-    threads: int = 1
-    """torch threads per worker."""
-    device: str = "cpu"
-    """Where the weight group's buckets live (cpu: gloo; cuda: NCCL)."""
-    payload: str = "stream"
-    delta_band: float = 0.05
-    """``delta`` payload: the scale hysteresis band (`flashrl.distributed.delta`)."""
-    delta_full_every: int = 20
-    """``delta`` payload: every N-th sync sends all codes (0: only the first and repairs)."""
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    timeout_s: float = 600.0
-
-
 class WorkerPool:
     """N `RolloutWorker` actors, a process group with the trainer as rank 0, and the calls the
-    trainer makes on them: `submit` / `collect` (generate shards), `sync`, `stats`, `shutdown`."""
+    trainer makes on them: `submit` / `collect` (generate shards), `sync`, `stats`, `shutdown`.
+    `config` is the run's ``rollout.workers`` itself; `device` is where the weight group's buckets
+    live (cpu: gloo; cuda: NCCL)."""
 
-    def __init__(self, factory: Callable[[], RolloutBackend], config: PoolConfig) -> None:
+    def __init__(
+        self, factory: Callable[[], RolloutBackend], config: WorkersConfig, device: str = "cpu"
+    ) -> None:
+        if config.count < 1:
+            raise ConfigError(f"WorkerPool needs rollout.workers.count >= 1, got {config.count}")
         self.ray = ray = require_ray()
-        self.config, self.owns_ray = config, False
+        self.config, self.device, self.owns_ray = config, device, False
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
             if config.address is None:
-                kwargs["num_cpus"] = max(math.ceil(config.workers * config.cpus), 1)
-            connect(ray, config.address, config.timeout_s, **kwargs)
+                kwargs["num_cpus"] = max(math.ceil(config.count * config.cpus), 1)
+            connect(ray, config.address, config.timeout, **kwargs)
             self.owns_ray = True
         try:  # an actor the cluster cannot place would wait forever
-            check_resources(ray, config.workers, config.cpus, config.gpus, config.address)
+            check_resources(ray, config.count, config.cpus, config.gpus, config.address)
         except BaseException:
             self.shutdown()
             raise
         actor = ray.remote(RolloutWorker).options(
             num_cpus=config.cpus, num_gpus=config.gpus, max_restarts=0, max_concurrency=1
         )
-        self.workers = [actor.remote(factory, i, config.threads) for i in range(config.workers)]
+        self.workers = [actor.remote(factory, i, config.threads) for i in range(config.count)]
         self.group, self.delta = None, None
         try:
             infos = self.wait([w.ready.remote() for w in self.workers], "start")
@@ -121,16 +104,16 @@ class WorkerPool:
             raise
 
     def _join_group(self) -> None:
-        c = self.config
+        c, device = self.config, self.device
         host = "127.0.0.1" if c.address is None else self.ray.util.get_node_ip_address()
-        port, world = free_port(host), c.workers + 1
+        port, world = free_port(host), c.count + 1
         futures = [
-            w.join_group.remote(host, port, world, c.device, c.timeout_s, c.bucket_bytes)
+            w.join_group.remote(host, port, world, device, c.timeout, c.bucket_bytes)
             for w in self.workers
         ]
-        self.group = make_group(host, port, 0, world, c.device, c.timeout_s)
+        self.group = make_group(host, port, 0, world, device, c.timeout)
         self.wait(futures, "join the weight group")
-        self.broadcast = BucketBroadcast(self.group, c.device, c.bucket_bytes)
+        self.broadcast = BucketBroadcast(self.group, device, c.bucket_bytes)
 
     # ------------------------------------------------------------------ remote calls
 
@@ -139,15 +122,15 @@ class WorkerPool:
         `RolloutWorkerError` naming the first worker that failed or missed the deadline."""
         ray = self.ray
         done, pending = ray.wait(
-            list(futures), num_returns=len(futures), timeout=self.config.timeout_s
+            list(futures), num_returns=len(futures), timeout=self.config.timeout
         )
         out = []
         for i, f in enumerate(futures):
             if f not in done:
                 names = [f"rollout worker {futures.index(p)}" for p in pending]
                 raise RolloutWorkerError(
-                    f"{', '.join(names)} did not {what} within {self.config.timeout_s:g} s "
-                    f"(run.worker_timeout); the run stops here"
+                    f"{', '.join(names)} did not {what} within {self.config.timeout:g} s "
+                    f"(rollout.workers.timeout); the run stops here"
                 )
             try:
                 out.append(ray.get(f))
@@ -199,10 +182,10 @@ class WorkerPool:
     def _sync_delta(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
         c = self.config
         if self.delta is None or (self.delta.band, self.delta.full_every) != (
-            c.delta_band,
+            c.delta_scale_band,
             c.delta_full_every,
         ):
-            self.delta = DeltaSender(c.delta_band, c.delta_full_every)
+            self.delta = DeltaSender(c.delta_scale_band, c.delta_full_every)
         out, results = delta_sync(
             self.delta,
             named,

@@ -34,7 +34,7 @@ def shard_bounds(num_prompts: int, num_shards: int) -> list[tuple[int, int]]:
     """`num_shards` contiguous ``[start, end)`` prompt ranges whose sizes differ by at most one
     (the first ones larger); empty shards are dropped."""
     if num_shards < 1:
-        raise ConfigError(f"run.rollout_shards={num_shards} must be >= 1")
+        raise ConfigError(f"rollout.shards={num_shards} must be >= 1")
     base, extra = divmod(num_prompts, num_shards)
     out, start = [], 0
     for s in range(num_shards):

@@ -32,12 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
+from flashrl.distributed.config import PAYLOADS
 from flashrl.errors import ConfigError, WeightError
 from flashrl.quant.primitives import quantize_weight
 from flashrl.quant.schemes import QuantScheme, get_scheme
-
-PAYLOADS = ("stream", "codes", "delta")
-DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -103,7 +101,7 @@ def codes_scheme(name: str, scheme_name: str, payload: str) -> QuantScheme:
     scheme = get_scheme(scheme_name)
     if scheme.weight_granularity not in ("channel", "tensor"):
         raise ConfigError(
-            f"run.weight_payload={payload} supports per-channel and per-tensor schemes; "
+            f"rollout.workers.payload={payload} supports per-channel and per-tensor schemes; "
             f"{name!r} uses {scheme.name!r} ({scheme.weight_granularity}): use stream"
         )
     return scheme
@@ -118,7 +116,7 @@ def plan(
     biases) as it is. Checks every tensor is finite first (`check_finite`)."""
     if payload not in PAYLOADS:
         raise ConfigError(
-            f"run.weight_payload={payload!r} is invalid; allowed: {', '.join(PAYLOADS)}"
+            f"rollout.workers.payload={payload!r} is invalid; allowed: {', '.join(PAYLOADS)}"
         )
     assert payload != "delta", "delta syncs are planned by delta.DeltaSender"
     check_finite(named)

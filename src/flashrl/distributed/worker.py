@@ -80,7 +80,7 @@ class RolloutWorker:
         else:
             if any(m.kind != "tensor" for m in metas):
                 raise UnsupportedError(
-                    "run.weight_payload=codes and delta need the built-in engine; use stream"
+                    "rollout.workers.payload=codes and delta need the built-in engine; use stream"
                 )
             received: list[tuple[str, torch.Tensor]] = []
             self.broadcast.receive(metas, lambda m, t: received.append((m.name, t.clone())))

@@ -54,7 +54,7 @@ def check_auto_map(raw: Any, path: Path, name: str | None = None) -> None:
 
 def check_trust_remote_code(kwargs: dict[str, Any], source: str) -> None:
     """Refuse ``trust_remote_code`` set to anything but false in user-given loader arguments
-    (`source` names where they came from, e.g. ``run.vllm_kwargs``)."""
+    (`source` names where they came from, e.g. ``rollout.backend_kwargs``)."""
     value = kwargs.get("trust_remote_code", False)
     if value is not False:
         raise ConfigError(

@@ -1,4 +1,4 @@
-"""The rollout backends a run can select by name (`run.backend`): one registry, one factory signature.
+"""The rollout backends a run can select by name (`rollout.backend`): one registry, one factory signature.
 
 A factory takes a `BackendRequest` (the run's config, the weights to load, the device and the sizes
 the trainer derived) and returns a `flashrl.core.rollout.RolloutBackend`: ``generate``,
@@ -30,7 +30,8 @@ class BackendRequest:
     """What a backend factory is given."""
 
     config: Any
-    """The run's `TrainConfig` (`rollout` group: the quantization; `run`: backend kwargs, seed)."""
+    """The run's `TrainConfig` (`rollout` group: quantization, dtype, backend kwargs; `run`: the
+    seed). A backend's engine reads `config.rollout.as_rollout_config()`."""
     model_dir: Path
     device: torch.device
     max_len: int
@@ -45,11 +46,11 @@ BackendFactory = Callable[[BackendRequest], RolloutBackend]
 def _builtin(request: BackendRequest) -> RolloutBackend:
     from flashrl.engine.engine import Engine
 
-    c = request.config
+    r = request.config.rollout
     return Engine(
         request.model_dir,
-        c.rollout,
-        dtype=c.run.rollout_dtype,
+        r.as_rollout_config(),
+        dtype=r.dtype,
         device=request.device,
         max_batch=request.max_batch,
         max_len=request.max_len,
@@ -60,19 +61,17 @@ def _builtin(request: BackendRequest) -> RolloutBackend:
 def _vllm(request: BackendRequest) -> RolloutBackend:
     from flashrl.vllm_backend.install_check import require_vllm
 
-    require_vllm("run.backend=vllm")  # one line with the install commands, not ImportError
+    require_vllm("rollout.backend=vllm")  # one line with the install commands, not ImportError
     from flashrl.vllm_backend import VLLMBackend
 
-    r = request.config.run
+    r = request.config.rollout
     kwargs = {"max_model_len": request.max_len, "max_num_seqs": request.max_batch}
-    kwargs.update(r.llm_kwargs())
-    if r.worker_tp > 1:
-        kwargs.setdefault("tensor_parallel_size", r.worker_tp)
+    kwargs.update(r.backend_kwargs_dict())
     return VLLMBackend(
         request.model_dir,
-        request.config.rollout,
-        dtype=resolve_dtype(r.rollout_dtype),
-        seed=r.seed,
+        r.as_rollout_config(),
+        dtype=resolve_dtype(r.dtype),
+        seed=request.config.run.seed,
         **kwargs,
     )
 
@@ -82,7 +81,7 @@ _REGISTRY: dict[str, BackendFactory] = {"builtin": _builtin, "vllm": _vllm}
 
 
 def register_backend(name: str, factory: BackendFactory, replace: bool = False) -> None:
-    """Make `run.backend=name` build its rollouts with `factory`; an existing name needs
+    """Make `rollout.backend=name` build its rollouts with `factory`; an existing name needs
     `replace=True` (a ConfigError otherwise, so two plugins never shadow each other silently)."""
     if not isinstance(name, str) or not name.strip() or not callable(factory):
         raise ConfigError(f"register_backend needs a non-empty name and a callable, got {name!r}")
@@ -96,8 +95,8 @@ def backend_names() -> tuple[str, ...]:
 
 
 def build_backend(request: BackendRequest) -> RolloutBackend:
-    """The backend `request.config.run.backend` names, built by its factory."""
-    name = request.config.run.backend
+    """The backend `request.config.rollout.backend` names, built by its factory."""
+    name = request.config.rollout.backend
     if name not in _REGISTRY:
-        raise ConfigError(f"run.backend={name!r} is invalid; allowed: {', '.join(_REGISTRY)}")
+        raise ConfigError(f"rollout.backend={name!r} is invalid; allowed: {', '.join(_REGISTRY)}")
     return _REGISTRY[name](request)

@@ -45,7 +45,7 @@ def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
         overrides: dict[str, Any] = {}
         if scheme.lower() in UNQUANTIZED:
             name = scheme.lower()
-            overrides = {"rollout.quant": "bf16", "run.rollout_dtype": name}
+            overrides = {"rollout.quant": "bf16", "rollout.dtype": name}
         else:
             try:
                 name = get_scheme(scheme).name
@@ -56,7 +56,7 @@ def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
                 ) from None
             overrides = {"rollout.quant": name}
             if name == "bf16":
-                overrides["run.rollout_dtype"] = "bf16"
+                overrides["rollout.dtype"] = "bf16"
         key = name + "".join(f"-{f}" for f, on in zip(FLAGS, (smooth, stochastic, no_tis)) if on)
         if key in seen:
             raise ConfigError(
@@ -82,5 +82,5 @@ def compare_variants(spec: str) -> list[tuple[str, dict[str, Any]]]:
 def rollout_name(config: Any) -> str:
     """The rollout precision of a `TrainConfig` in words: the scheme, or the dtype of unquantized
     rollouts (the variant name `compare_variants` gives it)."""
-    quant, dtype = config.rollout.quant, config.run.rollout_dtype
+    quant, dtype = config.rollout.quant, config.rollout.dtype
     return dtype if quant == "bf16" and dtype != "bf16" else quant

@@ -4,42 +4,43 @@
     TrainConfig
       model                       the policy checkpoint (None: the built-in tiny model)
       data: DataConfig            prompts, answers and the reward
-      rollout: RolloutConfig      how the rollout policy is quantized (flashrl.core)
+      rollout: TrainRolloutConfig  every rollout setting: quantization (the core RolloutConfig),
+                                  engine dtype, backend and its kwargs, max_batch, shards
+        workers: WorkersConfig    the Ray rollout workers (flashrl.distributed.config)
       correction: CorrectionConfig  importance weights and rejection (flashrl.correction)
       algo: AlgoConfig            sampling, advantages, loss and optimizer
-      run: RunConfig              length, machine layout, backend, outputs, checkpoints
+      run: RunConfig              length, seed, trainer device, outputs, checkpoints
 
 Precedence (`flashrl.rl.config_build.build_config`): dataclass defaults < preset (`--preset`,
 default `tiny-cpu`) < YAML file (`--config`, the same nesting) < command-line flags. The flat
-names of flashrl 0.1 (``--rollout-quant``, ``tis_cap``) are refused, naming the new name
-(`flashrl.rl.renamed`). Validation errors name the field, the value and what is allowed.
+names of flashrl 0.1 (``--rollout-quant``, ``tis_cap``) and the rollout settings that moved into
+the rollout group (``--run.backend``, ``--rollout-workers``) are refused, naming the new name
+(`flashrl.rl.renamed`). A nested group is one more dot: ``--rollout.workers.count 2``. Validation
+errors name the field, the value and what is allowed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import yaml
 
-from flashrl.core.config import RolloutConfig
 from flashrl.correction import AGGREGATIONS, CorrectionConfig
 from flashrl.errors import ConfigError
 from flashrl.fileio import atomic_write_text
-from flashrl.model.remote_code import check_trust_remote_code
 from flashrl.rl.algo import ADVANTAGES
-from flashrl.rl.backends import backend_names
 from flashrl.rl.compare import compare_variants
 from flashrl.rl.config_checks import check_numbers, check_policy_loss, check_workers
+from flashrl.rl.config_rollout import TrainRolloutConfig
 from flashrl.rl.data import DataConfig, prompt_source
 from flashrl.rl.policy_loss import POLICY_LOSSES
 from flashrl.rl.renamed import RENAMED, refuse
 from flashrl.rl.rewards import REWARDS
 
-ROLLOUT_DTYPES = ("bf16", "fp16", "fp32")
 TRAINER_DTYPES = ("fp32", "bf16")
 RESUME_FREE_FIELDS = (
     "run.steps",
@@ -56,13 +57,12 @@ RESUME_FREE_FIELDS = (
     "run.print_samples_every",
     "run.compare",
     "run.device",
-    "run.max_batch",
     "run.micro_batch_size",
-    "run.vllm_kwargs",
-    *(f"run.{name}" for name in ("rollout_workers", "ray_address", "worker_cpus", "worker_gpus")),
-    *(f"run.{name}" for name in ("worker_tp", "worker_threads", "weight_payload", "bucket_mb")),
-    "run.worker_timeout",
-    "run.delta_full_every",
+    "rollout.max_batch",
+    "rollout.backend_kwargs",
+    *(f"rollout.workers.{name}" for name in ("count", "address", "cpus", "gpus", "threads")),
+    *(f"rollout.workers.{name}" for name in ("payload", "bucket_mb", "timeout")),
+    "rollout.workers.delta_full_every",
 )
 """Fields a resumed run may change freely (length, learning rate, outputs, machine layout); every
 other field must match the checkpoint's config unless named in ``run.resume_allow_changes``."""
@@ -106,21 +106,14 @@ class AlgoConfig:
 
 @dataclass
 class RunConfig:
-    """How the run is laid out: its length, the machine, the rollout backend, outputs."""
+    """How the run is laid out: its length, the trainer's machine, outputs and checkpoints."""
 
     steps: int = 60
     seed: int = 0
     device: str | None = None
     trainer_dtype: str = "fp32"
-    backend: str = "builtin"
-    rollout_dtype: str = "bf16"
-    max_batch: int = 256
-    """KV-cache slots of the built-in engine (sequences decoded at once)."""
     micro_batch_size: int = 64
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
-    vllm_kwargs: str | None = None
-    """JSON object of extra `vllm.LLM(...)` arguments for backend 'vllm', e.g.
-    '{"enforce_eager": true}'."""
     output_dir: str = "runs/flashrl"
     save_every: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
@@ -146,64 +139,16 @@ class RunConfig:
     compare: str | None = None
     """Comma-separated rollout precisions to run one after another with the same seed and data,
     e.g. 'bf16,int8,int8-notis,fp8' ('-notis' sets correction.weight none)."""
-    rollout_workers: int = 0
-    """Rollout workers as Ray actors (needs flashrl[ray]); 0 generates in the trainer's process.
-    docs/distributed.md."""
-    rollout_shards: int = 0
-    """generate calls per step (prompts split evenly); rollouts depend on it, not on the number of
-    workers. 0: max(rollout_workers, 1)."""
-    ray_address: str | None = None
-    """None starts a local Ray instance; 'auto' or host:port joins a running cluster."""
-    worker_cpus: float = 1.0
-    """Ray CPUs reserved per rollout worker."""
-    worker_gpus: float = 0.0
-    """Ray GPUs per rollout worker (> 0: its engine runs on cuda)."""
-    worker_tp: int = 1
-    """Tensor-parallel size of each worker's engine (backend 'vllm' only)."""
-    worker_threads: int = 1
-    """torch threads per rollout worker."""
-    weight_payload: str = "stream"
-    """'stream': send the trainer's weights, workers re-quantize; 'codes': quantize once on the
-    trainer, send codes + scales (identical codes, about half the bytes of bf16); 'delta': codes
-    with scale hysteresis, only the changed ones sent, checksummed (docs/distributed.md)."""
-    delta_scale_band: float = 0.05
-    """'delta': a row keeps its scale while its amax stays within [(1 - band) * amax at its last
-    fresh scale, that amax]; 0: fresh scales at every sync (the 'codes' bits)."""
-    delta_full_every: int = 20
-    """'delta': every N-th sync sends all codes (0: only the first sync and checksum repairs)."""
-    bucket_mb: int = 64
-    """Size of one broadcast bucket (the peak extra memory of a sync)."""
-    worker_timeout: float = 600.0
-    """Seconds a worker may take for one call (generate, sync) before the run stops naming it."""
-    async_rollouts: bool = False
-    """Generate step t+1 while step t trains (rollouts one step stale; needs rollout_workers)."""
-
-    def llm_kwargs(self) -> dict[str, Any]:
-        """`vllm_kwargs` parsed (a JSON object)."""
-        if not self.vllm_kwargs:
-            return {}
-        try:
-            value = json.loads(self.vllm_kwargs)
-        except json.JSONDecodeError as err:
-            raise ConfigError(
-                f"run.vllm_kwargs={self.vllm_kwargs!r} is not valid JSON ({err.msg})"
-            ) from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"run.vllm_kwargs={self.vllm_kwargs!r} must be a JSON object")
-        check_trust_remote_code(value, "run.vllm_kwargs")
-        return value
 
 
-DEFAULT_ROLLOUT = RolloutConfig(quant="int8")
-"""The rollout group of a `TrainConfig` that sets none (int8 weights, the rest RolloutConfig's)."""
 GROUPS: dict[str, type] = {
     "data": DataConfig,
-    "rollout": RolloutConfig,
+    "rollout": TrainRolloutConfig,
     "correction": CorrectionConfig,
     "algo": AlgoConfig,
     "run": RunConfig,
 }
-"""The nested groups of `TrainConfig`, in order."""
+"""The groups of `TrainConfig`, in order (`group_classes` adds the nested ones)."""
 
 
 @dataclass
@@ -213,7 +158,7 @@ class TrainConfig:
     model: str | None = None
     """Hugging Face checkpoint directory; None uses the built-in tiny model (built on first use)."""
     data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = DEFAULT_ROLLOUT
+    rollout: TrainRolloutConfig = field(default_factory=TrainRolloutConfig)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -225,13 +170,11 @@ class TrainConfig:
         """Raise a ConfigError naming the first invalid field (dotted) and what is allowed."""
         d, a, r = self.data, self.algo, self.run
         choices = {
-            "run.backend": (r.backend, backend_names()),
             "algo.advantage": (a.advantage, ADVANTAGES),
             "data.reward": (d.reward, tuple(REWARDS)),
             "algo.loss_aggregation": (a.loss_aggregation, AGGREGATIONS),
             "algo.policy_loss": (a.policy_loss, tuple(POLICY_LOSSES)),
             "run.trainer_dtype": (r.trainer_dtype, TRAINER_DTYPES),
-            "run.rollout_dtype": (r.rollout_dtype, ROLLOUT_DTYPES),
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:
@@ -244,7 +187,6 @@ class TrainConfig:
             "run.micro_batch_size": r.micro_batch_size,
             "algo.max_prompt_tokens": a.max_prompt_tokens,
             "algo.max_response_tokens": a.max_response_tokens,
-            "run.max_batch": r.max_batch,
         }
         for name in ("samples_per_step", "print_samples_every"):
             value = getattr(r, name)
@@ -263,7 +205,6 @@ class TrainConfig:
                 "correction.mode='bypass' takes the PPO ratio against the rollout "
                 "policy; use algo.mini_batches=1"
             )
-        r.llm_kwargs()
         keep = r.keep_last
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ConfigError(
@@ -333,18 +274,24 @@ class TrainConfig:
         return atomic_write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     def replace(self, values: dict[str, Any]) -> TrainConfig:
-        """A copy with dotted fields replaced (typed values), validated."""
-        groups: dict[str, dict[str, Any]] = {}
-        top = {}
-        for key, value in values.items():
-            group, _, name = key.partition(".")
-            if name:
-                groups.setdefault(group, {})[name] = value
-            else:
-                top[key] = value
-        for group, changes in groups.items():
-            top[group] = dataclasses.replace(getattr(self, group), **changes)
-        return dataclasses.replace(self, **top)
+        """A copy with dotted fields replaced (typed values; ``rollout.workers.count`` too),
+        validated."""
+        return _replace(self, values)
+
+
+def _replace(obj: Any, values: dict[str, Any]) -> Any:
+    """`dataclasses.replace` of `obj` and its nested dataclasses, by dotted field names."""
+    nested: dict[str, dict[str, Any]] = {}
+    top = {}
+    for key, value in values.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            top[key] = value
+    for head, changes in nested.items():
+        top[head] = _replace(getattr(obj, head), changes)
+    return dataclasses.replace(obj, **top)
 
 
 def _plain(value: Any) -> Any:
@@ -356,25 +303,52 @@ def _plain(value: Any) -> Any:
 
 
 def flatten(nested: dict[str, Any]) -> dict[str, Any]:
-    """One level of nesting to dotted keys: ``{"algo": {"lr": 1}}`` -> ``{"algo.lr": 1}``."""
+    """Nested groups to dotted keys: ``{"algo": {"lr": 1}}`` -> ``{"algo.lr": 1}``,
+    ``{"rollout": {"workers": {"count": 2}}}`` -> ``{"rollout.workers.count": 2}``."""
+    groups = group_classes()
     out: dict[str, Any] = {}
-    for key, value in nested.items():
-        if key in GROUPS and isinstance(value, dict):
-            out.update({f"{key}.{name}": v for name, v in value.items()})
-        else:
-            out[key] = value
+
+    def walk(prefix: str, mapping: dict[str, Any]) -> None:
+        for key, value in mapping.items():
+            name = f"{prefix}{key}"
+            if name in groups and isinstance(value, dict):
+                walk(name + ".", value)
+            else:
+                out[name] = value
+
+    walk("", nested)
+    return out
+
+
+@functools.cache
+def group_classes() -> dict[str, type]:
+    """Every group of `TrainConfig` by dotted name, the nested ones after their parent:
+    ``data``, ``rollout``, ``rollout.workers``, ... (a field whose type is a dataclass)."""
+    out: dict[str, type] = {}
+
+    def visit(name: str, cls: type) -> None:
+        out[name] = cls
+        hints = get_type_hints(cls)
+        for f in fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                visit(f"{name}.{f.name}", hints[f.name])
+
+    for name, cls in GROUPS.items():
+        visit(name, cls)
     return out
 
 
 def field_names() -> list[str]:
-    """Every dotted field name of `TrainConfig`, in order."""
-    return ["model"] + [f"{group}.{f.name}" for group, cls in GROUPS.items() for f in fields(cls)]
+    """Every dotted field name of `TrainConfig`, in order (nested groups: their fields)."""
+    return list(field_types())
 
 
 def field_types() -> dict[str, Any]:
-    """Dotted field name -> type hint."""
+    """Dotted field name -> type hint, for every field that is not itself a group."""
+    groups = group_classes()
     out = {"model": get_type_hints(TrainConfig)["model"]}
-    for group, cls in GROUPS.items():
+    for group, cls in groups.items():
         hints = get_type_hints(cls)
-        out.update({f"{group}.{f.name}": hints[f.name] for f in fields(cls)})
+        names = (f"{group}.{f.name}" for f in fields(cls))
+        out.update({name: hints[name.rpartition(".")[2]] for name in names if name not in groups})
     return out

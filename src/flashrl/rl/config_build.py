@@ -1,14 +1,18 @@
 """`build_config`: a preset, a YAML file and command-line flags merged into a `TrainConfig`.
 
 Every layer is a mapping in one of two spellings, both read the same way: nested like the YAML
-file (``algo: {lr: 0.001}``) or dotted like the flags (``algo.lr``). A flat name of flashrl 0.1
-(``lr``, ``tis_cap``) is a ConfigError naming its new name (`flashrl.rl.renamed`). Values are
+file (``algo: {lr: 0.001}``, ``rollout: {workers: {count: 2}}``) or dotted like the flags
+(``algo.lr``, ``rollout.workers.count``). An old name (flashrl 0.1's ``lr``, ``tis_cap``; a rollout
+setting of the run group, ``run.backend``) is a ConfigError naming its new name
+(`flashrl.rl.renamed`). Values are
 converted to the field's type (`flashrl.rl.values.coerce`); the correction group is parsed by
 `CorrectionConfig.from_dict` (it takes verl-style strings such as ``"0.5_5.0"``).
 
 ``rollout.file`` names a rollout config (a ``flashrl.yaml`` from `flashrl setup`, or a scheme
-name): it is the base of the rollout group, and rollout fields set in the YAML file or on the
-command line override it (a preset's do not: the file names its own scheme).
+name): it is the base of the core `RolloutConfig` fields of the rollout group, and those set in
+the YAML file or on the command line override it (a preset's do not: the file names its own
+scheme). The engine and worker fields (``rollout.dtype``, ``rollout.workers.count``) are not in
+such a file and come from every layer as usual.
 """
 
 from __future__ import annotations
@@ -18,23 +22,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from flashrl.core.config import RolloutConfig, read_yaml, resolve_config
+from flashrl.core.config import read_yaml, resolve_config
 from flashrl.correction import CorrectionConfig
+from flashrl.distributed.config import WorkersConfig
 from flashrl.errors import CheckpointError, ConfigError
-from flashrl.rl.config import DEFAULT_ROLLOUT, GROUPS, TrainConfig, field_types, flatten
+from flashrl.rl.config import GROUPS, TrainConfig, field_types, flatten, group_classes
+from flashrl.rl.config_rollout import CORE_FIELDS, TrainRolloutConfig
 from flashrl.rl.presets import PRESETS
-from flashrl.rl.renamed import is_renamed, refuse
+from flashrl.rl.renamed import RENAMED, is_renamed, refuse
 from flashrl.rl.values import coerce
 
 ROLLOUT_FILE = "rollout.file"
 _EXTRA_TYPES = {ROLLOUT_FILE: str | None}
-SHORT_NAMES: dict[str, str] = {
-    "rollout_workers": "run.rollout_workers",
-    "ray_address": "run.ray_address",
-    "async_rollouts": "run.async_rollouts",
-}
-"""Short flags of the distributed run (``--rollout-workers 2``, ``--ray-address auto``,
-``--async-rollouts``) as spelled in issue 14: current names beside the dotted ones."""
 _CORRECTION_STRINGS = ("correction.band", "correction.rejection", "correction.rejection_thresholds")
 
 
@@ -50,7 +49,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def layer_values(layer: Mapping[Any, Any], source: str, path: str | None = None) -> dict[str, Any]:
-    """One layer (nested or dotted names) as typed values under dotted names; an old flat name, an
+    """One layer (nested or dotted names) as typed values under dotted names; an old name, an
     unknown key, or a field the layer sets twice (say ``algo.lr`` and ``algo: {lr}``) to different
     values is a ConfigError naming `path` (or `source`) and what to write instead."""
     renamed = [str(key) for key, value in layer.items() if is_renamed(key, value)]
@@ -58,17 +57,10 @@ def layer_values(layer: Mapping[Any, Any], source: str, path: str | None = None)
         raise refuse(renamed, path or source)
     items: list[tuple[Any, Any, str]] = []  # (dotted key, value, the key as the layer spells it)
     for key, value in layer.items():
-        if key in SHORT_NAMES:
-            items.append((SHORT_NAMES[key], value, key))
-        elif key in GROUPS and isinstance(value, Mapping):
-            items += [(f"{key}.{name}", v, f"{key}: {name}") for name, v in value.items()]
-        elif key in GROUPS and value is not None:
-            raise ConfigError(
-                f"{path or source}: {key} must be a mapping of "
-                f"{GROUPS[key].__name__} fields, got {value!r}"
-            )
-        elif key not in GROUPS:
-            items.append((key, value, str(key)))
+        items += _items(key, value, str(key), path or source)
+    renamed = [key for key, _, _ in items if key in RENAMED]
+    if renamed:
+        raise refuse(renamed, path or source)
     types = {**field_types(), **_EXTRA_TYPES}
     unknown = sorted(str(k) for k, _, _ in items if k not in types)
     if unknown:
@@ -77,6 +69,25 @@ def layer_values(layer: Mapping[Any, Any], source: str, path: str | None = None)
             f"unknown config key(s) in {path or source}: {', '.join(unknown)}; allowed: {allowed}"
         )
     return _typed_once(items, types, source, path)
+
+
+def _items(key: Any, value: Any, spelled: str, where: str) -> list[tuple[Any, Any, str]]:
+    """(dotted key, value, spelling) of one entry, a group's mapping opened into its fields."""
+    groups = group_classes()
+    if key not in groups:
+        return [(key, value, spelled)]
+    if value is None:  # an empty group in YAML (``rollout:``)
+        return []
+    if not isinstance(value, Mapping):
+        names = ", ".join(f"{key}.{name}" for name in groups[key].__dataclass_fields__)
+        raise ConfigError(
+            f"{where}: {key} must be a mapping of {groups[key].__name__} fields ({names}), "
+            f"got {value!r}"
+        )
+    out = []
+    for name, v in value.items():
+        out += _items(f"{key}.{name}", v, f"{spelled}: {name}", where)
+    return out
 
 
 def _typed_once(
@@ -114,8 +125,8 @@ def _typed(key: str, hint: Any, value: Any, path: str | None) -> Any:
     if key.startswith("correction."):  # parsed by CorrectionConfig.from_dict
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
         return str(value) if key in _CORRECTION_STRINGS and numeric else value
-    if key == "run.vllm_kwargs" and isinstance(value, dict):
-        value = json.dumps(value)  # a YAML mapping of vllm.LLM arguments
+    if key == "rollout.backend_kwargs" and isinstance(value, dict):
+        value = json.dumps(value)  # a YAML mapping of backend (vllm.LLM) arguments
     return coerce(key, hint, value, path)
 
 
@@ -128,18 +139,29 @@ def from_values(values: Mapping[str, Any], explicit: set[str] | None = None) -> 
         group, _, name = key.partition(".")
         if name:
             groups[group][name] = value
-    rollout = groups["rollout"]
-    file = rollout.pop("file", None)
-    base = resolve_config(file, source=ROLLOUT_FILE) if file else DEFAULT_ROLLOUT
-    if file:
-        rollout = {k: v for k, v in rollout.items() if f"rollout.{k}" in explicit}
     built: dict[str, Any] = {
-        "rollout": RolloutConfig.from_dict({**base.to_dict(), **rollout}, source="rollout"),
+        "rollout": _rollout(groups["rollout"], explicit),
         "correction": CorrectionConfig.from_dict(groups["correction"]),
     }
     for name in ("data", "algo", "run"):
         built[name] = GROUPS[name](**groups[name])
     return TrainConfig(model=values.get("model"), **built)
+
+
+def _rollout(values: dict[str, Any], explicit: set[str]) -> TrainRolloutConfig:
+    """The rollout group: a ``rollout.file``'s core fields (if one is named) under the explicit
+    ones, the engine fields, and the workers group."""
+    values = dict(values)
+    file = values.pop("file", None)
+    base: dict[str, Any] = {}
+    if file:
+        base = resolve_config(file, source=ROLLOUT_FILE).to_dict()
+        values = {
+            k: v for k, v in values.items() if k not in CORE_FIELDS or f"rollout.{k}" in explicit
+        }
+    workers = {k[len("workers.") :]: v for k, v in values.items() if k.startswith("workers.")}
+    own = {k: v for k, v in values.items() if not k.startswith("workers.")}
+    return TrainRolloutConfig(**{**base, **own}, workers=WorkersConfig(**workers))
 
 
 def build_config(
@@ -164,13 +186,16 @@ def build_config(
 def stored_values(stored: Mapping[str, Any], source: str = "checkpoint") -> dict[str, Any]:
     """The dotted values of the config a checkpoint (named `source`) stores. Read into a
     `TrainConfig` where it still validates, so that both sides of a resume comparison spell values
-    alike; else the values as stored. A config in flashrl 0.1's flat names is a CheckpointError:
-    it is not translated, and a comparison under new names would find no field to compare."""
+    alike; else the values as stored. A config in old names (flashrl 0.1's flat ones, or rollout
+    settings stored under ``run``) is a CheckpointError: it is not translated, and a comparison
+    under new names would find no field to compare."""
     renamed = [str(key) for key, value in stored.items() if is_renamed(key, value)]
+    renamed += [key for key in flatten(dict(stored)) if key in RENAMED and "." in key]
     if renamed:
+        moved = ", ".join(f"{name} (now {RENAMED[name]})" for name in renamed)
         raise CheckpointError(
-            f"{source} stores its config in flashrl 0.1's flat names ({', '.join(renamed)}), "
-            f"which are no longer read, so it cannot be compared with this run's config; pass "
+            f"{source} stores its config under old names ({moved}), which are no longer read, "
+            f"so it cannot be compared with this run's config; pass "
             f"--run.resume-allow-changes all to resume it without the comparison"
         )
     try:

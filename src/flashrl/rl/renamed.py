@@ -1,9 +1,12 @@
-"""The flat `TrainConfig` names of flashrl 0.1 and the dotted names that replaced them.
+"""Old `TrainConfig` names and the dotted names that replaced them.
 
 Until 0.1 `TrainConfig` had 56 flat fields (``--rollout-quant``, ``tis_cap: 2``); they are now
-nested (``--rollout.quant``, ``correction: {cap: 2}``). The old names are not translated: a flag,
-YAML key, `build_config` override or ``run.resume_allow_changes`` entry that uses one is a
-`ConfigError` naming the new name (`refuse`). This table exists only to write those messages.
+nested (``--rollout.quant``, ``correction: {cap: 2}``). Later every rollout setting moved into the
+rollout group (issue 25: ``--run.backend`` is ``--rollout.backend``, the Ray fields of ``run`` and
+the short ``--rollout-workers`` are ``--rollout.workers.*``). The old names are not translated: a
+flag, YAML key, `build_config` override or ``run.resume_allow_changes`` entry that uses one is a
+`ConfigError` naming the new name (`refuse`), and a checkpoint whose config uses one resumes only
+with ``--run.resume-allow-changes all``. These tables exist only to write those messages.
 """
 
 from __future__ import annotations
@@ -53,11 +56,7 @@ _GROUP_FIELDS = {
         "seed",
         "device",
         "trainer_dtype",
-        "backend",
-        "rollout_dtype",
-        "max_batch",
         "micro_batch_size",
-        "vllm_kwargs",
         "output_dir",
         "save_every",
         "keep_last",
@@ -69,7 +68,34 @@ _GROUP_FIELDS = {
     ),
     "correction": ("rejection", "rejection_thresholds"),
 }
-RENAMED: dict[str, str] = {
+_WORKERS = {
+    "rollout_workers": "count",
+    "ray_address": "address",
+    "worker_cpus": "cpus",
+    "worker_gpus": "gpus",
+    "worker_threads": "threads",
+    "weight_payload": "payload",
+    "delta_scale_band": "delta_scale_band",
+    "delta_full_every": "delta_full_every",
+    "bucket_mb": "bucket_mb",
+    "worker_timeout": "timeout",
+    "async_rollouts": "async_rollouts",
+}
+MOVED: dict[str, str] = {
+    "run.backend": "rollout.backend",
+    "run.rollout_dtype": "rollout.dtype",
+    "run.max_batch": "rollout.max_batch",
+    "run.vllm_kwargs": "rollout.backend_kwargs",
+    "run.worker_tp": "rollout.backend_kwargs",
+    "run.rollout_shards": "rollout.shards",
+    **{f"run.{old}": f"rollout.workers.{new}" for old, new in _WORKERS.items()},
+    "rollout_workers": "rollout.workers.count",
+    "ray_address": "rollout.workers.address",
+    "async_rollouts": "rollout.workers.async_rollouts",
+}
+"""Issue 25: rollout settings of the run group (and the short flags of the Ray workers) -> their
+home in the rollout group."""
+FLAT_RENAMED: dict[str, str] = {
     "data": "data.path",
     "rollout_quant": "rollout.quant",
     "rollout_config": "rollout.file",
@@ -80,11 +106,16 @@ RENAMED: dict[str, str] = {
     "tis_cap": "correction.cap",
     "correction_band": "correction.band",
     **{name: f"{group}.{name}" for group, names in _GROUP_FIELDS.items() for name in names},
+    **{name: MOVED[f"run.{name}"] for name in ("backend", "rollout_dtype", "max_batch")},
+    "vllm_kwargs": "rollout.backend_kwargs",
 }
-"""Old flat name -> new dotted name (``model`` kept its name)."""
+"""flashrl 0.1's flat name -> its dotted name today (``model`` kept its name)."""
+RENAMED: dict[str, str] = {**FLAT_RENAMED, **MOVED}
+"""Every old name -> its new dotted name."""
 _NOTES = {
     "tis_cap": "; {old} 0 is now {correction.weight} none",
     "rollout_config": " (the rollout config file, the base of the rollout group)",
+    "run.worker_tp": """ with {"tensor_parallel_size": N} (vLLM's own argument)""",
 }
 
 

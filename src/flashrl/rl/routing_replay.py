@@ -39,7 +39,7 @@ def replay_backend(backend: RolloutBackend | None, make: Any) -> RoutingBackend:
     if not isinstance(engine, Engine):
         raise ConfigError(
             f"algo.routing_replay needs the built-in engine in the trainer's process "
-            f"(run.backend builtin, run.rollout_workers 0), got {type(engine).__name__}"
+            f"(rollout.backend builtin, rollout.workers.count 0), got {type(engine).__name__}"
         )
     return RoutingBackend(engine)
 

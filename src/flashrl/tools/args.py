@@ -2,7 +2,8 @@
 
 `add_fields(parser, cls)` adds one flag per field of a dataclass (``--max-new-tokens`` for
 ``max_new_tokens``; with ``prefix="algo."`` ``--algo.lr``), with the field's docstring as help and
-its default shown. Flags take strings; `given(args)` returns the ones on the command line and
+its default shown; a field that is itself a dataclass gets its fields' flags one dot deeper
+(``--rollout.workers.count``). Flags take strings; `given(args)` returns the ones on the command line and
 `build(cls, args)` converts them to the fields' types (`flashrl.rl.values.coerce`, errors naming
 the flag) and constructs the dataclass, the other fields keeping their defaults. A boolean flag
 alone means true (``--hf``); with a value it takes any boolean word (``--hf false``). A flag's value
@@ -91,6 +92,9 @@ def add_fields(
     wanted = None if only is None else set(only)
     for f in dataclasses.fields(cls):
         if (wanted is not None and f.name not in wanted) or f.name in skip:
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):  # a nested group
+            add_fields(parser, hints[f.name], prefix=f"{prefix}{f.name}.")
             continue
         default = (defaults or {}).get(f.name, _default(f))
         text = docs.get(f.name, "")

@@ -30,9 +30,11 @@ def add_train(sub: argparse._SubParsersAction) -> None:
         epilog="Every TrainConfig field is a flag --group.field VALUE (defaults "
         "below are the dataclass's; the preset sets some). The flat flags of "
         "flashrl 0.1 (--rollout-quant, --tis-cap, ...) are refused, naming "
-        "the new flag. Example: flashrl train --rollout.quant fp8 --run.steps 20 "
-        "--correction.weight none. Rollout workers on Ray: --rollout-workers N "
-        "(--ray-address auto, --async-rollouts; docs/distributed.md).",
+        "the new flag, as are the rollout settings that moved from run to rollout "
+        "(--run.backend, --rollout-workers, ...). Example: flashrl train --rollout.quant fp8 "
+        "--run.steps 20 --correction.weight none. Rollout workers on Ray: "
+        "--rollout.workers.count N (--rollout.workers.address auto, "
+        "--rollout.workers.async-rollouts; docs/distributed.md).",
     )
     p.add_argument(
         "--preset",
@@ -47,12 +49,7 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     add_fields(p, TrainConfig, only=("model",))
     for group, cls in GROUPS.items():
         flags = p.add_argument_group(f"{group} ({cls.__name__})")
-        add_fields(
-            flags,
-            cls,
-            prefix=f"{group}.",
-            defaults={"quant": "int8"} if group == "rollout" else None,
-        )
+        add_fields(flags, cls, prefix=f"{group}.")
         if group == "rollout":
             flags.add_argument(
                 f"--{ROLLOUT_FILE}",
@@ -66,11 +63,10 @@ def add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
-    """Flags argparse does not know, as overrides: ['--rollout-workers', '2', '--async-rollouts']
-    -> {'rollout_workers': '2', 'async_rollouts': 'true'}; a flag with no value means 'true'.
-    These are the short flags of `flashrl.rl.config_build.SHORT_NAMES` or unknown keys
-    (`build_config` refuses them, naming the allowed ones); a flat flag of flashrl 0.1
-    (``--rollout-quant``) is a ConfigError naming its new flag."""
+    """Flags argparse does not know, as overrides: ['--x.y', '2', '--z'] -> {'x.y': '2', 'z':
+    'true'} (a flag with no value means 'true'). These are unknown keys (`build_config` refuses
+    them, naming the allowed ones); an old flag (flashrl 0.1's ``--rollout-quant``, a moved
+    ``--run.backend``) is a ConfigError naming its new flag."""
     out: dict[str, str] = {}
     renamed: list[str] = []
     i = 0
@@ -105,7 +101,8 @@ def run_train(args: argparse.Namespace) -> int:
             f"run.output_dir={config.run.output_dir!r} is a file; expected a "
             f"directory (created if missing)"
         )
-    if config.run.backend == "vllm" and not config.run.rollout_workers:  # workers check their own
-        require_vllm("--run.backend vllm")
+    r = config.rollout
+    if r.backend == "vllm" and not r.workers.count:  # the workers check their own
+        require_vllm("--rollout.backend vllm")
     rl_run.run(config)
     return 0

@@ -68,5 +68,5 @@ def require_vllm(what: str) -> None:
     if find_spec("vllm") is None:
         raise UnsupportedError(
             f"{what} needs vLLM, which is not installed in this Python ({sys.executable}): "
-            f"{VLLM_INSTALL}; or use the built-in engine (run.backend=builtin)"
+            f"{VLLM_INSTALL}; or use the built-in engine (rollout.backend=builtin)"
         )
