@@ -7,13 +7,13 @@ Public API (small on purpose; the vLLM backend may reuse it):
   and shard), [E, N, 1] per channel, [E, sum_i ceil(n_i/128), ceil(K/128)] per block (a block grid
   per expert and shard). Expert e's codes and scales are bit-identical to a `QuantLinear` with the
   same shards loaded from expert e's weight (tests/test_moe_experts.py), because both call
-  `flashrl.quant.primitives.quantize_weight` on the same slices.
+  `flashrl.quant.dispatch.quantize_weight` on the same slices.
 - `DenseExperts`: the same API in the activation dtype (bf16 scheme, or experts kept unquantized).
 - `make_experts(...)`: one or the other for a scheme.
 - ``requantize_(w, expert=None, shard=None)``: `w` is [E, n, K] (every expert; the fused 3-D
   parameters of a `transformers` 5.x model) or [n, K] (one expert, a checkpoint tensor); `shard`
   picks gate or up of a fused gate/up weight. Storage never moves (`data_ptr` stays).
-- ``linear(x, expert)``: ``x @ W_e^T`` with the same GEMM as `QuantLinear` (`quant.gemm`);
+- ``linear(x, expert)``: ``x @ W_e^T`` with the same GEMM as `QuantLinear` (`quant.dispatch`);
   ``linear_prequantized(xq, x_scale, expert, dtype)``: the same from per-token activation codes.
 """
 
@@ -27,13 +27,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashrl.errors import InputError
-from flashrl.quant.gemm import check_gemm_shape, prequantized_linear, scaled_linear
-from flashrl.quant.primitives import (
-    check_float_input,
-    dequantize_per_block_shards,
-    dequantize_per_row,
-    quantize_weight,
-)
+from flashrl.quant.dispatch import prequantized_linear, quantize_weight, scaled_linear
+from flashrl.quant.encode import check_float_input
+from flashrl.quant.gemm import check_gemm_shape
+from flashrl.quant.primitives import dequantize_per_block_shards, dequantize_per_row
 from flashrl.quant.schemes import QuantScheme, get_scheme
 
 

@@ -26,13 +26,10 @@ import torch.nn as nn
 
 from flashrl.core.config import DEFAULT_SKIP
 from flashrl.errors import InputError
-from flashrl.quant.gemm import check_gemm_shape, scaled_linear
-from flashrl.quant.primitives import (
-    check_float_input,
-    dequantize_per_block_shards,
-    dequantize_per_row,
-    quantize_weight,
-)
+from flashrl.quant.dispatch import quantize_weight, scaled_linear
+from flashrl.quant.encode import check_float_input
+from flashrl.quant.gemm import check_gemm_shape
+from flashrl.quant.primitives import dequantize_per_block_shards, dequantize_per_row
 from flashrl.quant.schemes import QuantScheme, get_scheme
 from flashrl.quant.smoothing import observe_and_scale
 from flashrl.quant.stochastic import round_to_dtype, stochastic_codes_
