@@ -34,6 +34,7 @@ import torch
 from flashrl.errors import InputError
 from flashrl.quant import gemm, primitives
 from flashrl.quant.encode import check_float_input
+from flashrl.quant.gemm import GemmArgs
 from flashrl.quant.kernels import launch, use_triton
 from flashrl.quant.schemes import QuantScheme
 
@@ -41,7 +42,7 @@ Backend = Literal["torch", "triton"]
 Device = Literal["cuda", "cpu"]
 GemmKind = Literal["int8_rowwise", "int8_group", "fp8_tensorwise", "fp8_rowwise", "fp8_block"]
 Quantizer = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-Gemm = Callable[..., torch.Tensor]
+Gemm = Callable[[GemmArgs], torch.Tensor]
 
 QUANTIZERS: dict[tuple[str, Backend], Quantizer] = {
     ("tensor", "torch"): primitives.quantize_per_tensor,
@@ -76,7 +77,7 @@ GEMMS: dict[tuple[GemmKind, Device], Gemm] = {
     ("fp8_block", "cuda"): gemm.fp8_block,
     ("fp8_block", "cpu"): gemm.fp8_block,
 }
-"""(gemm kind, device) -> ``f(xq, x_scale, wq, w_scale, scheme, out_dtype, bias, shard_sizes)``."""
+"""(gemm kind, device) -> ``f(gemm.GemmArgs) -> y``."""
 
 
 def backend(x: torch.Tensor) -> Backend:
@@ -163,7 +164,7 @@ def scaled_linear(
     x2 = x.reshape(-1, x.shape[-1])
     xq, x_scale = quantize_activation(x2, scheme)
     run = GEMMS[gemm_kind(scheme, x_scale, w_scale), device_of(x2)]
-    y = run(xq, x_scale, wq, w_scale, scheme, out_dtype or x.dtype, bias, shard_sizes)
+    y = run(GemmArgs(xq, x_scale, wq, w_scale, scheme, out_dtype or x.dtype, bias, shard_sizes))
     return y.reshape(*lead, wq.shape[0])
 
 
@@ -182,4 +183,4 @@ def prequantized_linear(
     if scheme.activation_granularity != "token":
         raise ValueError(f"scheme {scheme.name!r} has no per-token activation scales")
     kind: GemmKind = "int8_rowwise" if scheme.code_dtype == torch.int8 else "fp8_rowwise"
-    return GEMMS[kind, device_of(xq)](xq, x_scale, wq, w_scale, scheme, out_dtype)
+    return GEMMS[kind, device_of(xq)](GemmArgs(xq, x_scale, wq, w_scale, scheme, out_dtype))

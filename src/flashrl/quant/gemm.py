@@ -1,8 +1,8 @@
 """The scaled GEMMs, one function per kernel: ``Y = X W^T`` from quantized activations and weights.
 
 Which one runs for a scheme, a device and a shape is the table `flashrl.quant.dispatch.GEMMS`;
-every function here takes the same arguments, ``(xq, x_scale, wq, w_scale, scheme, out_dtype,
-bias, shard_sizes)``, activations already quantized (`dispatch.quantize_activation`).
+every function here takes one `GemmArgs`, activations already quantized
+(`dispatch.quantize_activation`).
 
 | function              | op                                                  | epilogue                              |
 |-----------------------|-----------------------------------------------------|---------------------------------------|
@@ -33,6 +33,7 @@ a 64x576x1536 product, against 3.3 ms; benchmarks/RESULTS.md). CPUs with AMX int
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -48,6 +49,21 @@ EXACT_FP32_CHUNK = 1024
 range fp32 holds exactly (codes are in [-128, 127])."""
 _warned_reference: set[str] = set()
 _cpu_rowwise: bool | None = None
+
+
+class GemmArgs(NamedTuple):
+    """What every scaled GEMM takes: activation codes and scales ([M, K], ``[]`` / [M, 1] /
+    [M, groups]), weight codes [N, K] and scales (`flashrl.quant.granularity`), and the epilogue."""
+
+    xq: torch.Tensor
+    x_scale: torch.Tensor
+    wq: torch.Tensor
+    w_scale: torch.Tensor
+    scheme: QuantScheme
+    out_dtype: torch.dtype
+    bias: torch.Tensor | None = None
+    shard_sizes: tuple[int, ...] | None = None
+    """Rows of each shard of a fused weight: blocks have one grid per shard."""
 
 
 def cpu_has_rowwise_scaled_mm() -> bool:
@@ -135,62 +151,33 @@ def int8_mm_exact_fp32(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def _fp32_epilogue(
-    y: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """``y * s_w^T (+ bias)`` in fp32 (in place), cast once to `out_dtype`."""
-    y.mul_(w_scale.reshape(1, -1))
-    if bias is not None:
-        y.add_(bias.to(torch.float32))
-    return y.to(out_dtype)
+def _fp32_epilogue(y: torch.Tensor, a: GemmArgs) -> torch.Tensor:
+    """``y * s_w^T (+ bias)`` in fp32 (in place), cast once to the output dtype."""
+    y.mul_(a.w_scale.reshape(1, -1))
+    if a.bias is not None:
+        y.add_(a.bias.to(torch.float32))
+    return y.to(a.out_dtype)
 
 
-def int8_rowwise_cuda(
-    xq: torch.Tensor,
-    x_scale: torch.Tensor,
-    wq: torch.Tensor,
-    w_scale: torch.Tensor,
-    scheme: QuantScheme,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    shard_sizes: tuple[int, ...] | None = None,
-) -> torch.Tensor:
+def int8_rowwise_cuda(a: GemmArgs) -> torch.Tensor:
     """W8A8 int8 on CUDA, per-token x per-channel scales: exact int32 accumulation, fp32 epilogue."""
-    acc = int8_mm_cuda(xq, wq).to(torch.float32).mul_(x_scale)
-    return _fp32_epilogue(acc, w_scale, bias, out_dtype)
+    acc = int8_mm_cuda(a.xq, a.wq).to(torch.float32).mul_(a.x_scale)
+    return _fp32_epilogue(acc, a)
 
 
-def int8_rowwise_cpu(
-    xq: torch.Tensor,
-    x_scale: torch.Tensor,
-    wq: torch.Tensor,
-    w_scale: torch.Tensor,
-    scheme: QuantScheme,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    shard_sizes: tuple[int, ...] | None = None,
-) -> torch.Tensor:
+def int8_rowwise_cpu(a: GemmArgs) -> torch.Tensor:
     """`int8_rowwise_cuda` on the CPU (the same int32 values from `int8_mm_cpu`)."""
-    acc = int8_mm_cpu(xq, wq).to(torch.float32).mul_(x_scale)
-    return _fp32_epilogue(acc, w_scale, bias, out_dtype)
+    acc = int8_mm_cpu(a.xq, a.wq).to(torch.float32).mul_(a.x_scale)
+    return _fp32_epilogue(acc, a)
 
 
-def int8_group(
-    xq: torch.Tensor,
-    x_scale: torch.Tensor,
-    wq: torch.Tensor,
-    w_scale: torch.Tensor,
-    scheme: QuantScheme,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    shard_sizes: tuple[int, ...] | None = None,
-) -> torch.Tensor:
+def int8_group(a: GemmArgs) -> torch.Tensor:
     """int8 weights with per-group activation scales (`int8_g*`), a reference path on every device:
     the scales are applied to the activation codes first (``Y = sum_g s_x[m,g] (Xq_g . Wq_g)
     s_w[n]``, summed in fp32 in another order; no integer kernel takes per-group scales)."""
-    _warn_reference_once(xq, scheme)
-    x_deq = dequantize_per_group(xq, x_scale, scheme.group_size)
-    return _fp32_epilogue(torch.mm(x_deq, wq.to(torch.float32).t()), w_scale, bias, out_dtype)
+    _warn_reference_once(a.xq, a.scheme)
+    x_deq = dequantize_per_group(a.xq, a.x_scale, a.scheme.group_size)
+    return _fp32_epilogue(torch.mm(x_deq, a.wq.to(torch.float32).t()), a)
 
 
 def cublas_aligned(scale: torch.Tensor) -> torch.Tensor:
@@ -203,98 +190,61 @@ def cublas_aligned(scale: torch.Tensor) -> torch.Tensor:
     return scale.clone()
 
 
-def _add_bias(y: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    return y if bias is None else y + bias.to(out_dtype)
+def _add_bias(y: torch.Tensor, a: GemmArgs) -> torch.Tensor:
+    """``y (+ bias)`` in the output dtype (the fp8 ops apply the scales themselves)."""
+    return y if a.bias is None else y + a.bias.to(a.out_dtype)
 
 
-def fp8_tensorwise_cuda(
-    xq: torch.Tensor,
-    x_scale: torch.Tensor,
-    wq: torch.Tensor,
-    w_scale: torch.Tensor,
-    scheme: QuantScheme,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    shard_sizes: tuple[int, ...] | None = None,
-) -> torch.Tensor:
+def fp8_tensorwise_cuda(a: GemmArgs) -> torch.Tensor:
     """FP8 e4m3 with one scale per operand: tensorwise `torch._scaled_mm`."""
-    x_scale, w_scale = cublas_aligned(x_scale.reshape(())), cublas_aligned(w_scale.reshape(()))
-    y = torch._scaled_mm(xq, wq.t(), x_scale, w_scale, out_dtype=out_dtype)
-    return _add_bias(y, bias, out_dtype)
+    x_scale, w_scale = cublas_aligned(a.x_scale.reshape(())), cublas_aligned(a.w_scale.reshape(()))
+    y = torch._scaled_mm(a.xq, a.wq.t(), x_scale, w_scale, out_dtype=a.out_dtype)
+    return _add_bias(y, a)
 
 
-def _rowwise_scales(
-    xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _rowwise_scales(a: GemmArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales as rowwise `_scaled_mm` takes them, ``[M,1]`` and ``[1,N]`` (a single one broadcast)."""
-    scale_a = cublas_aligned(x_scale.reshape(-1, 1).expand(xq.shape[0], 1).contiguous())
-    scale_b = cublas_aligned(w_scale.reshape(1, -1).expand(1, wq.shape[0]).contiguous())
+    scale_a = cublas_aligned(a.x_scale.reshape(-1, 1).expand(a.xq.shape[0], 1).contiguous())
+    scale_b = cublas_aligned(a.w_scale.reshape(1, -1).expand(1, a.wq.shape[0]).contiguous())
     return scale_a, scale_b
 
 
-def fp8_rowwise_cuda(
-    xq: torch.Tensor,
-    x_scale: torch.Tensor,
-    wq: torch.Tensor,
-    w_scale: torch.Tensor,
-    scheme: QuantScheme,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    shard_sizes: tuple[int, ...] | None = None,
-) -> torch.Tensor:
+def fp8_rowwise_cuda(a: GemmArgs) -> torch.Tensor:
     """``(xq @ wq^T) * s_x * s_w^T`` through `torch._scaled_mm` with rowwise scales. Also a
     per-tensor activation scale against a multi-scale weight (a fused layer with one scale per
     checkpoint tensor), as a broadcast rowwise call."""
-    scale_a, scale_b = _rowwise_scales(xq, x_scale, wq, w_scale)
-    y = torch._scaled_mm(xq, wq.t(), scale_a, scale_b, out_dtype=out_dtype)
-    return _add_bias(y, bias, out_dtype)
+    scale_a, scale_b = _rowwise_scales(a)
+    y = torch._scaled_mm(a.xq, a.wq.t(), scale_a, scale_b, out_dtype=a.out_dtype)
+    return _add_bias(y, a)
 
 
-def fp8_rowwise_cpu(
-    xq: torch.Tensor,
-    x_scale: torch.Tensor,
-    wq: torch.Tensor,
-    w_scale: torch.Tensor,
-    scheme: QuantScheme,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    shard_sizes: tuple[int, ...] | None = None,
-) -> torch.Tensor:
+def fp8_rowwise_cpu(a: GemmArgs) -> torch.Tensor:
     """`fp8_rowwise_cuda` on the CPU, for per-tensor scales too: torch 2.13's CPU tensorwise kernel
     is about 70x slower than its rowwise one (the same products). On a torch without CPU rowwise
     scales (`cpu_has_rowwise_scaled_mm`) an fp32 matmul of the codes: the same exact products in
     another summation order."""
-    scale_a, scale_b = _rowwise_scales(xq, x_scale, wq, w_scale)
+    scale_a, scale_b = _rowwise_scales(a)
     if cpu_has_rowwise_scaled_mm():
-        y = torch._scaled_mm(xq, wq.t(), scale_a, scale_b, out_dtype=out_dtype)
+        y = torch._scaled_mm(a.xq, a.wq.t(), scale_a, scale_b, out_dtype=a.out_dtype)
     else:
-        y = (xq.float() @ wq.float().t()).mul_(scale_a).mul_(scale_b).to(out_dtype)
-    return _add_bias(y, bias, out_dtype)
+        y = (a.xq.float() @ a.wq.float().t()).mul_(scale_a).mul_(scale_b).to(a.out_dtype)
+    return _add_bias(y, a)
 
 
-def fp8_block(
-    xq: torch.Tensor,
-    x_scale: torch.Tensor,
-    wq: torch.Tensor,
-    w_scale: torch.Tensor,
-    scheme: QuantScheme,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    shard_sizes: tuple[int, ...] | None = None,
-) -> torch.Tensor:
+def fp8_block(a: GemmArgs) -> torch.Tensor:
     """Reference blockwise FP8: 1x128 activation groups and 128x128 weight blocks dequantized to fp32.
 
     Mathematically ``Y[m,n] = sum_g s_x[m,g] s_w[n//128,g] (Xq_g . Wq_g)``; the fp32 matmul sums the
     same products in a different order. `shard_sizes` describes a fused weight whose row shards each
     have their own block grid (stacked along the scale's first dim).
     """
-    _warn_reference_once(xq, scheme)
-    x_deq = dequantize_per_group(xq, x_scale, scheme.group_size)
-    w_deq = dequantize_per_block_shards(wq, w_scale, scheme.block_size, shard_sizes)
+    _warn_reference_once(a.xq, a.scheme)
+    x_deq = dequantize_per_group(a.xq, a.x_scale, a.scheme.group_size)
+    w_deq = dequantize_per_block_shards(a.wq, a.w_scale, a.scheme.block_size, a.shard_sizes)
     y = x_deq @ w_deq.t()
-    if bias is not None:
-        y.add_(bias.to(torch.float32))
-    return y.to(out_dtype)
+    if a.bias is not None:
+        y.add_(a.bias.to(torch.float32))
+    return y.to(a.out_dtype)
 
 
 def _warn_reference_once(x: torch.Tensor, scheme: QuantScheme) -> None:
