@@ -35,7 +35,7 @@ from flashrl.distributed.install import stored_codes
 from flashrl.distributed.worker import RolloutWorker
 from flashrl.engine import Engine
 from flashrl.model.weights import iter_checkpoint
-from flashrl.quant.primitives import quantize_weight
+from flashrl.quant.dispatch import quantize_weight
 from flashrl.quant.schemes import get_scheme
 from flashrl.rl.presets import resolve_model
 

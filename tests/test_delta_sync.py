@@ -27,9 +27,9 @@ from flashrl.distributed.worker import RolloutWorker
 from flashrl.engine.engine import Engine
 from flashrl.errors import ConfigError, WeightError
 from flashrl.model.weights import iter_checkpoint
+from flashrl.quant.dispatch import quantize_weight
 from flashrl.quant.encode import encode_codes, qmax_of
 from flashrl.quant.linear import DEFAULT_SKIP
-from flashrl.quant.primitives import quantize_weight
 from flashrl.quant.schemes import get_scheme
 from flashrl.testing import save_tiny_model
 

@@ -74,7 +74,7 @@ def test_settings_errors_are_config_errors():
 
 
 def test_tensor_errors_are_input_errors():
-    from flashrl.quant.primitives import quantize_weight
+    from flashrl.quant.dispatch import quantize_weight
     from flashrl.quant.schemes import get_scheme
 
     w = torch.randn(8, 8)

@@ -11,21 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashrl.quant.gemm import (
-    fp8_block_linear,
-    fp8_linear,
-    int8_linear,
-    int8_mm,
-    pad_rows,
+from flashrl.quant.dispatch import (
+    prequantized_linear,
+    quantize_activation,
+    quantize_weight,
     scaled_linear,
 )
-from flashrl.quant.primitives import (
-    dequantize_per_block,
-    dequantize_per_group,
-    quantize_activation,
-    quantize_per_row,
-    quantize_weight,
-)
+from flashrl.quant.gemm import int8_mm_cpu, int8_mm_cuda, pad_rows
+from flashrl.quant.primitives import dequantize_per_block, dequantize_per_group, quantize_per_row
 from flashrl.quant.schemes import get_scheme
 
 SHAPES = [(1, 16, 8), (3, 13, 7), (15, 200, 96), (17, 128, 256), (40, 300, 130)]  # (M, K, N)
@@ -42,9 +35,9 @@ def test_int8_mm_is_exact_integer_math(m, k, n, gen):
     a = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8)
     b = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     exact = a.long() @ b.long().t()
-    assert torch.equal(int8_mm(a, b).long(), exact)
-    assert torch.equal(int8_mm(a, b, min_rows=17).long(), exact), (
-        "zero-row padding for CUDA's M > 16 rule"
+    assert torch.equal(int8_mm_cpu(a, b).long(), exact)
+    assert torch.equal(int8_mm_cuda(a, b).long(), exact), (
+        "zero-row padding for CUDA's M > 16 rule (torch._int_mm runs on the CPU too)"
     )
 
 
@@ -63,7 +56,7 @@ def test_int8_linear_equals_exact_epilogue_and_fp64(m, k, n, bias, gen):
     w = torch.randn(n, k, generator=gen) * 0.05
     b = torch.randn(n, generator=gen) if bias else None
     wq, sw = quantize_weight(w, scheme)
-    y = int8_linear(x, wq, sw, scheme, b, torch.float32)
+    y = scaled_linear(x, wq, sw, scheme, b, torch.float32)
     xq, sx = quantize_per_row(x, torch.int8)
     acc = xq.long() @ wq.long().t()
     same_epilogue = acc.to(torch.int32).float() * sx * sw.reshape(1, -1)
@@ -88,7 +81,7 @@ def test_fp8_scaled_mm_against_fp64_dequant(name, m, k, n, out_dtype, tol, gen):
     ref = (xq.double() * sx.double()) @ (
         wq.double() * sw.double().reshape(-1, 1) if sw.dim() else wq.double() * sw.double()
     ).t()
-    y = fp8_linear(x, wq, sw, scheme, None, out_dtype)
+    y = scaled_linear(x, wq, sw, scheme, None, out_dtype)
     assert y.dtype == out_dtype and y.shape == (m, n)
     assert rel_err(y, ref) < tol
 
@@ -104,15 +97,15 @@ def test_fp8_cpu_without_rowwise_scaled_mm(name, out_dtype, tol, monkeypatch, ge
     scheme = get_scheme(name)
     x, w = torch.randn(9, 256, generator=gen), torch.randn(48, 256, generator=gen) * 0.05
     wq, sw = quantize_weight(w, scheme)
-    kernel = fp8_linear(x, wq, sw, scheme, None, out_dtype)
+    kernel = scaled_linear(x, wq, sw, scheme, None, out_dtype)
     monkeypatch.setattr(gemm, "_cpu_rowwise", False)
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: pytest.fail("_scaled_mm called"))
-    y = fp8_linear(x, wq, sw, scheme, None, out_dtype)
+    y = scaled_linear(x, wq, sw, scheme, None, out_dtype)
     xq, sx = quantize_activation(x, scheme)
     ref = (xq.double() * sx.double()) @ (wq.double() * sw.double().reshape(-1, 1)).t()
     assert y.dtype == out_dtype and rel_err(y, ref) < tol and rel_err(y, kernel) < tol
     if scheme.activation_granularity == "token":  # MoE experts' path: the same ops, same bits
-        assert torch.equal(gemm.prequantized_linear(xq, sx, wq, sw, scheme, out_dtype), y)
+        assert torch.equal(prequantized_linear(xq, sx, wq, sw, scheme, out_dtype), y)
 
 
 def test_cpu_rowwise_probe_matches_this_torch():
@@ -133,8 +126,8 @@ def test_fp8_tensor_with_per_row_weight_scale_equals_per_shard(gen):
     scheme = get_scheme("fp8")
     x, w = torch.randn(5, 64, generator=gen), torch.randn(32, 64, generator=gen)
     wq, sw = quantize_weight(w, scheme)
-    y_tensor = fp8_linear(x, wq, sw, scheme, None, torch.float32)
-    y_rows = fp8_linear(x, wq, sw.expand(32).contiguous(), scheme, None, torch.float32)
+    y_tensor = scaled_linear(x, wq, sw, scheme, None, torch.float32)
+    y_rows = scaled_linear(x, wq, sw.expand(32).contiguous(), scheme, None, torch.float32)
     assert rel_err(y_rows, y_tensor) < 1e-6
 
 
@@ -152,7 +145,7 @@ def test_fp8_block_against_groupwise_fp64_formula(m, k, n, gen):
         dot = xq[:, cols].double() @ wq[:, cols].double().t()
         w_scale = sw[:, g].double().repeat_interleave(128)[:n]
         ref += dot * sx[:, g : g + 1].double() * w_scale.reshape(1, -1)
-    y = fp8_block_linear(x, wq, sw, scheme, None, torch.float32)
+    y = scaled_linear(x, wq, sw, scheme, None, torch.float32)
     assert rel_err(y, ref) < 1e-5
     y_deq = (
         dequantize_per_group(xq, sx, dtype=torch.float64)
@@ -228,7 +221,7 @@ def test_cpu_int8_mm_fp32_chunks_are_exact_at_the_extremes(k, gen):
         got = int8_mm_exact_fp32(a, b)
         assert got.dtype == torch.int32
         assert torch.equal(got.long(), exact)
-        assert torch.equal(int8_mm(a, b), got)  # the CPU default path
+        assert torch.equal(int8_mm_cpu(a, b), got)  # the CPU default path
         if a.shape[0] > 16:
             assert torch.equal(torch._int_mm(a, b.t()), got)
     if k == 3000:  # the case chunking exists for: one fp32 matmul over K would round

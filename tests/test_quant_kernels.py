@@ -27,10 +27,9 @@ pytest.importorskip(
     "triton", reason="triton is not installed: the Triton kernel tests need it (pip install triton)"
 )
 
-from flashrl.quant import QuantLinear, kernels, primitives
-from flashrl.quant.gemm import scaled_linear
+from flashrl.quant import QuantLinear, dispatch, kernels, primitives
+from flashrl.quant.dispatch import quantize_activation, quantize_weight, scaled_linear
 from flashrl.quant.kernels import launch
-from flashrl.quant.primitives import quantize_activation, quantize_weight
 from flashrl.quant.schemes import get_scheme
 
 CODES = [torch.int8, torch.float8_e4m3fn]
@@ -47,7 +46,7 @@ def interpret(monkeypatch):
 
 
 def quantize(impl, granularity: str, x: torch.Tensor, code: torch.dtype, **kw):
-    """One entry point per granularity, for the reference (`primitives`) or the kernels (`kernels`)."""
+    """One entry point per granularity, for the reference (`primitives`) or the kernels (`launch`)."""
     if granularity == "row":
         return impl.quantize_per_row(x, code, **kw)
     if granularity == "tensor":
@@ -109,7 +108,7 @@ def stress_data(
 def test_matches_reference(granularity, code, dtype, shape, gen, interpret):
     x = stress_data(shape, gen, dtype)
     assert_bit_identical(
-        quantize(kernels, granularity, x, code), quantize(primitives, granularity, x, code)
+        quantize(launch, granularity, x, code), quantize(primitives, granularity, x, code)
     )
 
 
@@ -119,7 +118,7 @@ def test_matches_reference(granularity, code, dtype, shape, gen, interpret):
 def test_other_input_dtypes(granularity, code, dtype, gen, interpret):
     x = stress_data((9, 150), gen, dtype)
     assert_bit_identical(
-        quantize(kernels, granularity, x, code), quantize(primitives, granularity, x, code)
+        quantize(launch, granularity, x, code), quantize(primitives, granularity, x, code)
     )
 
 
@@ -129,7 +128,7 @@ def test_long_rows_two_passes(granularity, code, gen, interpret):
     """Rows longer than ONE_PASS_MAX_K take the two-pass path (amax over K, then quantize)."""
     x = stress_data((3, 16500), gen, torch.bfloat16)
     assert_bit_identical(
-        quantize(kernels, granularity, x, code), quantize(primitives, granularity, x, code)
+        quantize(launch, granularity, x, code), quantize(primitives, granularity, x, code)
     )
 
 
@@ -139,7 +138,7 @@ def test_strided_input(granularity, code, gen, interpret):
     x = stress_data((140, 24), gen).t()  # [24, 140], column-major
     assert not x.is_contiguous()
     assert_bit_identical(
-        quantize(kernels, granularity, x, code), quantize(primitives, granularity, x, code)
+        quantize(launch, granularity, x, code), quantize(primitives, granularity, x, code)
     )
 
 
@@ -149,10 +148,10 @@ def test_odd_block_and_group_sizes(code, gen, interpret):
     x = stress_data((50, 170), gen)
     for kw in ({"block": (48, 80)}, {"block": (1, 128)}):
         assert_bit_identical(
-            quantize(kernels, "block", x, code, **kw), quantize(primitives, "block", x, code, **kw)
+            quantize(launch, "block", x, code, **kw), quantize(primitives, "block", x, code, **kw)
         )
     assert_bit_identical(
-        quantize(kernels, "group", x, code, group=96),
+        quantize(launch, "group", x, code, group=96),
         quantize(primitives, "group", x, code, group=96),
     )
 
@@ -187,7 +186,7 @@ def test_rounding_grid(granularity, code, interpret):
     """Every code and every tie with scale 1: int8 rounds half to even, fp8 rounds to nearest even
     on the e4m3 grid (normals, subnormals, the carry into the next binade, signed zero)."""
     x = grid_values(code)
-    got, want = quantize(kernels, granularity, x, code), quantize(primitives, granularity, x, code)
+    got, want = quantize(launch, granularity, x, code), quantize(primitives, granularity, x, code)
     assert want[1].item() == 1.0
     assert_bit_identical(got, want)
 
@@ -262,7 +261,7 @@ def test_division_rule(granularity, code, gen, interpret):
     assert codes_differ(quantize_reciprocal(x, s, code), want[0]), (
         "the codes must tell the two rules apart"
     )
-    assert_bit_identical(quantize(kernels, granularity, x, code), want)
+    assert_bit_identical(quantize(launch, granularity, x, code), want)
 
 
 def quantize_reciprocal(x: torch.Tensor, s: torch.Tensor, code: torch.dtype) -> torch.Tensor:
@@ -293,7 +292,7 @@ def test_in_place_outputs(granularity, code, gen, interpret):
     out = codes_buf[5:25]
     scale_out = scales_buf[1 : 1 + want[1].numel()].view(want[1].shape)
     ptrs = (out.data_ptr(), scale_out.data_ptr())
-    got = quantize(kernels, granularity, x, code, out=out, scale_out=scale_out)
+    got = quantize(launch, granularity, x, code, out=out, scale_out=scale_out)
     assert got[0] is out and got[1] is scale_out and (out.data_ptr(), scale_out.data_ptr()) == ptrs
     assert_bit_identical(got, want)
     assert (codes_buf[:5].float() == 0).all() and (codes_buf[25:].float() == 0).all(), (
@@ -379,7 +378,7 @@ def test_non_finite_activations_give_nan_scales_like_the_reference(granularity, 
     x = torch.randn(6, 140)
     x[1, 3] = float("nan")
     x[4, 130] = float("inf")
-    got = quantize(kernels, granularity, x, code, check_finite=False)
+    got = quantize(launch, granularity, x, code, check_finite=False)
     want = quantize(primitives, granularity, x, code, check_finite=False)
     assert torch.equal(got[1].isnan(), want[1].isnan()) and torch.equal(
         got[1].isinf(), want[1].isinf()
@@ -401,8 +400,8 @@ def test_auto_mode_uses_torch_on_cpu_and_logs_once(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_logged", set())
     x = torch.randn(4, 8)
     with caplog.at_level(logging.INFO, logger="flashrl.quant.kernels"):
-        assert primitives.quantizer_for(x) is primitives._REFERENCE
-        primitives.quantizer_for(x)
+        assert dispatch.backend(x) == "torch"
+        dispatch.backend(x)
     records = [r.getMessage() for r in caplog.records if r.name == "flashrl.quant.kernels"]
     assert records == [f"quantization kernels on cpu: torch reference ({kernels.ENV_VAR}=auto)"]
 
@@ -410,11 +409,11 @@ def test_auto_mode_uses_torch_on_cpu_and_logs_once(monkeypatch, caplog):
 def test_env_switch(monkeypatch, interpret):
     x = torch.randn(4, 8)
     monkeypatch.setenv(kernels.ENV_VAR, "triton")
-    assert primitives.quantizer_for(x) is kernels
+    assert dispatch.backend(x) == "triton"
     monkeypatch.setenv(kernels.ENV_VAR, " Torch ")
-    assert primitives.quantizer_for(x) is primitives._REFERENCE
+    assert dispatch.backend(x) == "torch"
     with kernels.mode_scope("triton"):  # the in-process override wins over the environment
-        assert primitives.quantizer_for(x) is kernels
+        assert dispatch.backend(x) == "triton"
     monkeypatch.setenv(kernels.ENV_VAR, "cuda")
     with pytest.raises(
         ValueError,
@@ -440,19 +439,19 @@ def test_forcing_triton_where_it_cannot_run_raises(monkeypatch):
         with pytest.raises(RuntimeError, match="triton package is not installed"):
             quantize_weight(w, get_scheme("int8"))
     with pytest.raises(RuntimeError, match="cannot run: the triton package is not installed"):
-        kernels.quantize_per_row(w, torch.int8)
+        launch.quantize_per_row(w, torch.int8)
 
 
 def test_bad_buffers_raise_like_the_reference(interpret):
     x = torch.randn(4, 130)
     with pytest.raises(ValueError, match="expected shape"):
-        kernels.quantize_per_row(x, torch.int8, out=torch.empty(4, 129, dtype=torch.int8))
+        launch.quantize_per_row(x, torch.int8, out=torch.empty(4, 129, dtype=torch.int8))
     with pytest.raises(ValueError, match="scale_out .* expected shape"):
-        kernels.quantize_per_block(x, torch.float8_e4m3fn, scale_out=torch.empty(1, 1))
+        launch.quantize_per_block(x, torch.float8_e4m3fn, scale_out=torch.empty(1, 1))
     with pytest.raises(ValueError, match="one element"):
-        kernels.quantize_per_tensor(x, torch.float8_e4m3fn, scale_out=torch.empty(2))
+        launch.quantize_per_tensor(x, torch.float8_e4m3fn, scale_out=torch.empty(2))
     with pytest.raises(ValueError, match="unsupported code dtype"):
-        kernels.quantize_per_group(x, torch.float16)
+        launch.quantize_per_group(x, torch.float16)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -608,7 +607,7 @@ def test_gpu_kernels_match_cpu_reference(granularity, code, dtype, gen, compiled
     cases += [grid_values(code), division_sensitive(code, gen, 64)]  # fp32: exact ties, rule 4
     for x in cases:
         want = quantize(primitives, granularity, x, code)
-        got = quantize(kernels, granularity, x.cuda(), code)
+        got = quantize(launch, granularity, x.cuda(), code)
         assert got[0].is_cuda
         assert_bit_identical(got, want)
 
@@ -641,16 +640,13 @@ def test_gpu_quantlinear_requantize_uses_kernels(scheme, monkeypatch, gen, compi
     CPU reference's bits; its forward quantizes activations through them too."""
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     calls = []
-    for name in (
-        "quantize_per_row",
-        "quantize_per_tensor",
-        "quantize_per_block",
-        "quantize_per_group",
-    ):
-        original = getattr(kernels, name)
-        monkeypatch.setattr(
-            kernels, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw)
-        )
+    for key, original in list(dispatch.QUANTIZERS.items()):
+        if key[1] == "triton":
+            monkeypatch.setitem(
+                dispatch.QUANTIZERS,
+                key,
+                lambda *a, _f=original, _n=key[0], **kw: calls.append(_n) or _f(*a, **kw),
+            )
     shards = (256, 128, 128)
     w = (torch.randn(512, 1024, generator=gen) * 0.02).to(torch.bfloat16)
     layer = QuantLinear(1024, 512, scheme, shard_sizes=shards, device="cuda")
@@ -687,7 +683,7 @@ def test_gpu_activation_quantization_in_a_cuda_graph(scheme, compiled):
         x.copy_(torch.randn_like(x) * 3)
         graph.replay()
         torch.cuda.synchronize()
-    assert_bit_identical((q, scale), primitives.quantize_activation(x.cpu(), s))
+    assert_bit_identical((q, scale), quantize_activation(x.cpu(), s))
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from flashrl.quant.dispatch import quantize_weight
 from flashrl.quant.primitives import (
     dequantize_per_block,
     dequantize_per_group,
@@ -22,7 +23,6 @@ from flashrl.quant.primitives import (
     quantize_per_group,
     quantize_per_row,
     quantize_per_tensor,
-    quantize_weight,
 )
 from flashrl.quant.schemes import SCHEMES, get_scheme, parse_scheme_list
 

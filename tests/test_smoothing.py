@@ -15,8 +15,9 @@ from flashrl.core.config import RolloutConfig
 from flashrl.core.sampling import SamplingParams
 from flashrl.engine import Engine
 from flashrl.errors import ConfigError
+from flashrl.quant.dispatch import quantize_activation, quantize_weight
 from flashrl.quant.linear import QuantLinear
-from flashrl.quant.primitives import dequantize_per_row, quantize_activation, quantize_weight
+from flashrl.quant.primitives import dequantize_per_row
 from flashrl.quant.schemes import get_scheme
 from flashrl.quant.smoothing import enable_smoothing_, refresh_, smoothing_factors
 

@@ -65,14 +65,14 @@ def test_broken_gemm_fails_its_row(monkeypatch, capsys):
     """An int8 kernel that is off by one in a single accumulator entry: exit 1, `gemm` for int8 named."""
     import flashrl.quant.gemm as gemm
 
-    original = gemm.int8_mm
+    original = gemm.int8_mm_cpu
 
-    def off_by_one(xq, wq, min_rows=None):
-        acc = original(xq, wq, min_rows)
+    def off_by_one(xq, wq):
+        acc = original(xq, wq)
         acc[0, 0] += 1
         return acc
 
-    monkeypatch.setattr(gemm, "int8_mm", off_by_one)
+    monkeypatch.setattr(gemm, "int8_mm_cpu", off_by_one)
     assert main(["verify", "--device", "cpu", "--quant", "int8", "--no-vllm"]) == 1
     printed = capsys.readouterr().out
     fail_rows = [line for line in printed.splitlines() if "| FAIL " in line]
@@ -82,10 +82,14 @@ def test_broken_gemm_fails_its_row(monkeypatch, capsys):
 
 
 def test_broken_fp8_gemm_fails_against_the_float64_reference(monkeypatch):
-    import flashrl.quant.gemm as gemm
+    from flashrl.quant import dispatch
 
-    original = gemm.fp8_linear
-    monkeypatch.setattr(gemm, "fp8_linear", lambda x, *a, **k: original(x, *a, **k) * 1.001)
+    original = dispatch.GEMMS["fp8_rowwise", "cpu"]
+
+    def broken(*args, **kwargs):
+        return original(*args, **kwargs) * 1.001
+
+    monkeypatch.setitem(dispatch.GEMMS, ("fp8_rowwise", "cpu"), broken)
     results = rows(run_verify(device="cpu", schemes=["fp8_channel"], vllm=False))
     assert results[("gemm", "fp8_channel")].status == FAIL
     assert "fp32 out rel err" in results[("gemm", "fp8_channel")].detail

@@ -8,7 +8,7 @@ Three payloads, one wire format:
 
 - ``stream``: the trainer's parameters as they are (its dtype); each worker re-quantizes;
 - ``codes``: the trainer quantizes each weight a worker would quantize once (the same
-  `quant.primitives.quantize_weight` the engine runs, on the same tensor) and sends codes plus
+  `quant.dispatch.quantize_weight` the engine runs, on the same tensor) and sends codes plus
   fp32 scales; the workers copy them in place. About half the bytes of a bf16 stream for 8-bit
   schemes; the codes a worker ends with are the same bits either way.
 - ``delta``: like ``codes`` with scale hysteresis, but only the codes that changed since the last
@@ -34,7 +34,7 @@ import torch
 
 from flashrl.distributed.config import PAYLOADS
 from flashrl.errors import ConfigError, WeightError
-from flashrl.quant.primitives import quantize_weight
+from flashrl.quant.dispatch import quantize_weight
 from flashrl.quant.schemes import QuantScheme, get_scheme
 
 

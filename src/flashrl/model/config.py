@@ -1,14 +1,10 @@
 """`ModelConfig`: what the engine needs from a Hugging Face `config.json`, validated.
 
-Supported families (dense decoders with GQA, RoPE, RMSNorm and a SwiGLU MLP):
-
-| architecture         | differences handled                                      |
-|----------------------|----------------------------------------------------------|
-| `LlamaForCausalLM`   | optional `attention_bias` / `mlp_bias`; llama3 rope      |
-| `MistralForCausalLM` | optional sliding window                                  |
-| `Qwen2ForCausalLM`   | q/k/v bias; usually tied embeddings on small models      |
-| `Qwen3ForCausalLM`   | per-head q/k RMSNorm; explicit `head_dim`                |
-| `Qwen3MoeForCausalLM`, `Qwen2MoeForCausalLM`, `MixtralForCausalLM` | MoE MLPs (`moe_config`)  |
+Supported families (decoders with GQA, RoPE, RMSNorm and SwiGLU MLPs): `FAMILIES`, one `Family`
+row per architecture, holds everything a family does differently (biases, q/k norm, sliding
+window, refused variants, MoE layout); the decoder, the weight map and `moe_config` read those
+facts instead of comparing family names. Every family reads `tie_word_embeddings`, `mlp_bias`,
+`head_dim` and the RoPE fields the same way.
 
 RoPE: `default`, `linear`, `llama3` and `yarn` scaling, read from either the transformers>=5
 `rope_parameters` field or the older `rope_theta` + `rope_scaling` fields.
@@ -21,23 +17,44 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from flashrl.errors import ConfigError, UnsupportedError
-from flashrl.model.moe_config import MoEConfig, parse_moe
+from flashrl.model.moe_config import MoEConfig, MoELayout, parse_moe
 from flashrl.model.remote_code import check_no_custom_code
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "MixtralForCausalLM": "mixtral",
+
+@dataclass(frozen=True)
+class Family:
+    """What one model family does differently from a Llama-style dense decoder."""
+
+    name: str
+    qkv_bias: Literal["attention_bias", "always", "qkv_bias"] = "attention_bias"
+    """q/k/v biases: config ``attention_bias``, always (Qwen2), or config ``qkv_bias`` (Qwen2-MoE)."""
+    o_proj_bias: bool = False  # o_proj has a bias whenever q/k/v have one (Llama)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_window: bool = False  # `sliding_window` honoured (Qwen's needs use_sliding_window)
+    refused: tuple[str, ...] = ()  # config flags of unimplemented variants: true is refused
+    moe: MoELayout | None = None  # MoE layout and routing (`moe_config`); None: dense
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family("llama", o_proj_bias=True),
+    "MistralForCausalLM": Family("mistral", sliding_window=True),
+    "Qwen2ForCausalLM": Family("qwen2", qkv_bias="always", refused=("use_sliding_window",)),
+    "Qwen3ForCausalLM": Family("qwen3", qk_norm=True),
+    "Qwen3MoeForCausalLM": Family(
+        "qwen3_moe", qk_norm=True, refused=("use_sliding_window", "attention_bias"), moe="qwen"
+    ),
+    "Qwen2MoeForCausalLM": Family(
+        "qwen2_moe", qkv_bias="qkv_bias", refused=("use_sliding_window",), moe="qwen_shared"
+    ),
+    "MixtralForCausalLM": Family("mixtral", sliding_window=True, moe="mixtral"),
 }
+"""Architecture (``config.json``'s ``architectures``) -> its family's facts."""
+FAMILY_BY_NAME = {f.name: f for f in FAMILIES.values()}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -76,6 +93,12 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def o_proj_bias(self) -> bool:
+        """Whether o_proj has a bias (`Family.o_proj_bias`)."""
+        facts = FAMILY_BY_NAME.get(self.family)
+        return self.qkv_bias and facts is not None and facts.o_proj_bias
+
+    @property
     def rope_type(self) -> str:
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
 
@@ -88,7 +111,8 @@ class ModelConfig:
                 f"{source} must be a JSON object (a Hugging Face config), got {type(raw).__name__}"
             )
         check = _Checker(raw, source)
-        family = _family(check)
+        facts = _family(check)
+        family = facts.name
         vocab_size = check.int("vocab_size", MAX_VOCAB)
         hidden_size = check.int("hidden_size", MAX_DIM)
         intermediate_size = check.int("intermediate_size", MAX_DIM)
@@ -99,13 +123,12 @@ class ModelConfig:
             check.fail("num_key_value_heads", f"a divisor of num_attention_heads={num_heads}")
         head_dim = _head_dim(check, hidden_size, num_heads)
         rope_theta, rope_scaling = _rope_fields(raw, source)
-        if family in ("qwen2", "qwen2_moe", "qwen3_moe") and raw.get("use_sliding_window"):
-            raise UnsupportedError(f"{source}: use_sliding_window=true is not supported")
-        if family == "qwen3_moe" and raw.get("attention_bias"):
-            raise UnsupportedError(f"{source}: Qwen3-MoE with attention_bias=true is not supported")
+        for flag in facts.refused:
+            if raw.get(flag):
+                raise UnsupportedError(f"{source}: {family} with {flag}=true is not supported")
         eos_ids, single_ids = _special_ids(check)
         sliding_window = None
-        if family in ("mistral", "mixtral") and raw.get("sliding_window") is not None:
+        if facts.sliding_window and raw.get("sliding_window") is not None:
             sliding_window = check.int("sliding_window", 2**31 - 1)
         return cls(
             family=family,
@@ -123,17 +146,17 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=check.int("max_position_embeddings", 2**31 - 1, default=4096),
             tie_word_embeddings=check.bool("tie_word_embeddings"),
-            qkv_bias=family == "qwen2"
-            or (family == "qwen2_moe" and raw.get("qkv_bias", True) is not False)
+            qkv_bias=facts.qkv_bias == "always"
+            or (facts.qkv_bias == "qkv_bias" and raw.get("qkv_bias", True) is not False)
             or check.bool("attention_bias"),
             mlp_bias=check.bool("mlp_bias"),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=facts.qk_norm,
             sliding_window=sliding_window,
             eos_token_ids=eos_ids,
             bos_token_id=single_ids["bos_token_id"],
             pad_token_id=single_ids["pad_token_id"],
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-            moe=parse_moe(raw, family, num_layers, intermediate_size, source),
+            moe=parse_moe(raw, facts.moe, num_layers, intermediate_size, source),
         )
 
     @classmethod
@@ -189,17 +212,17 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _family(check: _Checker) -> str:
+def _family(check: _Checker) -> Family:
     """The model family of a supported architecture with the fields every family needs."""
     raw, source = check.raw, check.source
     archs = raw.get("architectures") or []
     if not isinstance(archs, list):
         check.fail("architectures", "a list of architecture names")
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    arch = next((a for a in archs if a in FAMILIES), None)
     if arch is None:
         raise UnsupportedError(
             f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"supported: {', '.join(FAMILIES)}"
         )
     required = (
         "vocab_size",
@@ -215,7 +238,7 @@ def _family(check: _Checker) -> str:
         raise UnsupportedError(
             f"{source}: hidden_act={raw['hidden_act']!r} is not supported; supported: silu"
         )
-    return SUPPORTED_ARCHITECTURES[arch]
+    return FAMILIES[arch]
 
 
 def _head_dim(check: _Checker, hidden_size: int, num_heads: int) -> int:

@@ -114,7 +114,7 @@ class Attention(nn.Module):
             config.q_size,
             h,
             scheme_for("self_attn.o_proj", ("o_proj",)),
-            bias=config.qkv_bias and config.family == "llama",
+            bias=config.o_proj_bias,
             dtype=dtype,
             device=device,
         )

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from flashrl.errors import UnsupportedError
 from flashrl.model.batch import ForwardBatch, masked_rows
 from flashrl.model.moe_config import MoEConfig
+from flashrl.quant.dispatch import quantize_activation
 from flashrl.quant.experts import DenseExperts, QuantExperts, make_experts
 from flashrl.quant.linear import DenseLinear
-from flashrl.quant.primitives import quantize_activation
 from flashrl.quant.schemes import QuantScheme
 
 RoutingObserver = Callable[[int, torch.Tensor], None]

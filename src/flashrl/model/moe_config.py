@@ -14,11 +14,13 @@ are all sparse. The rules follow the installed `transformers` 5.x modeling files
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from flashrl.errors import ConfigError
 
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+MoELayout = Literal["qwen", "qwen_shared", "mixtral"]
+"""``qwen``: Qwen3-MoE; ``qwen_shared``: Qwen2-MoE, plus a shared expert; ``mixtral``: Mixtral
+(`flashrl.model.config.FAMILIES` says which family has which)."""
 
 
 @dataclass(frozen=True)
@@ -56,13 +58,17 @@ def _int(raw: dict[str, Any], key: str, source: str, default: int | None = None)
 
 
 def parse_moe(
-    raw: dict[str, Any], family: str, num_layers: int, intermediate_size: int, source: str
+    raw: dict[str, Any],
+    layout: MoELayout | None,
+    num_layers: int,
+    intermediate_size: int,
+    source: str,
 ) -> MoEConfig | None:
-    """The `MoEConfig` of an MoE `family` (None for a dense family); `ConfigError` on a bad
-    field."""
-    if family not in MOE_FAMILIES:
+    """The `MoEConfig` of a family with MoE `layout` (None for a dense family); `ConfigError` on
+    a bad field."""
+    if layout is None:
         return None
-    key = "num_local_experts" if family == "mixtral" or "num_experts" not in raw else "num_experts"
+    key = "num_local_experts" if layout == "mixtral" or "num_experts" not in raw else "num_experts"
     num_experts = _int(raw, key, source)
     top_k = _int(raw, "num_experts_per_tok", source)
     if top_k > num_experts:
@@ -70,7 +76,7 @@ def parse_moe(
             f"{source}: num_experts_per_tok={top_k} is invalid; "
             f"allowed: at most {key}={num_experts}"
         )
-    if family == "mixtral":
+    if layout == "mixtral":
         return MoEConfig(
             num_experts,
             top_k,
@@ -90,7 +96,7 @@ def parse_moe(
     if not isinstance(norm, bool):
         raise ConfigError(f"{source}: norm_topk_prob={norm!r} is invalid; allowed: true or false")
     shared = 0
-    if family == "qwen2_moe":
+    if layout == "qwen_shared":
         shared = _int(raw, "shared_expert_intermediate_size", source)
     return MoEConfig(
         num_experts,

@@ -150,7 +150,7 @@ class WeightMap:
                 names.add(p + "mlp.down_proj.weight")
             if c.qkv_bias:
                 names |= {p + f"self_attn.{s}.bias" for s in QKV_SHARDS}
-                if c.family == "llama":
+                if c.o_proj_bias:
                     names.add(p + "self_attn.o_proj.bias")
             if c.mlp_bias and i not in sparse:
                 names |= {p + f"mlp.{s}.bias" for s in GATE_UP_SHARDS} | {p + "mlp.down_proj.bias"}

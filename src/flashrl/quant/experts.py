@@ -6,20 +6,19 @@ Public API (small on purpose; the vLLM backend may reuse it):
   [E, N, K] and fp32 ``weight_scale`` stacked per expert: [E, S] per tensor (one scale per expert
   and shard), [E, N, 1] per channel, [E, sum_i ceil(n_i/128), ceil(K/128)] per block (a block grid
   per expert and shard). Expert e's codes and scales are bit-identical to a `QuantLinear` with the
-  same shards loaded from expert e's weight (tests/test_moe_experts.py), because both call
-  `flashrl.quant.primitives.quantize_weight` on the same slices.
+  same shards loaded from expert e's weight (tests/test_moe_experts.py): both hand their slices to
+  the same `flashrl.quant.granularity.WeightLayout`.
 - `DenseExperts`: the same API in the activation dtype (bf16 scheme, or experts kept unquantized).
 - `make_experts(...)`: one or the other for a scheme.
 - ``requantize_(w, expert=None, shard=None)``: `w` is [E, n, K] (every expert; the fused 3-D
   parameters of a `transformers` 5.x model) or [n, K] (one expert, a checkpoint tensor); `shard`
   picks gate or up of a fused gate/up weight. Storage never moves (`data_ptr` stays).
-- ``linear(x, expert)``: ``x @ W_e^T`` with the same GEMM as `QuantLinear` (`quant.gemm`);
+- ``linear(x, expert)``: ``x @ W_e^T`` with the same GEMM as `QuantLinear` (`quant.dispatch`);
   ``linear_prequantized(xq, x_scale, expert, dtype)``: the same from per-token activation codes.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -27,12 +26,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashrl.errors import InputError
-from flashrl.quant.gemm import check_gemm_shape, prequantized_linear, scaled_linear
-from flashrl.quant.primitives import (
-    check_float_input,
-    dequantize_per_block_shards,
-    dequantize_per_row,
-    quantize_weight,
+from flashrl.quant.dispatch import prequantized_linear, scaled_linear
+from flashrl.quant.encode import check_float_input
+from flashrl.quant.gemm import check_gemm_shape
+from flashrl.quant.granularity import (
+    WeightLayout,
+    changed_codes,
+    check_shard_sizes,
+    gemm_scale,
+    shard_rows,
 )
 from flashrl.quant.schemes import QuantScheme, get_scheme
 
@@ -44,16 +46,11 @@ class _StackedExperts(nn.Module):
 
     def _init_shape(self, num_experts: int, k: int, n: int, shards: Iterable[int] | None) -> None:
         self.num_experts, self.in_features, self.out_features = num_experts, k, n
-        self.shard_sizes = tuple(int(s) for s in (shards or (n,)))
-        if sum(self.shard_sizes) != n or min(self.shard_sizes) <= 0:
-            raise ValueError(f"shard_sizes {self.shard_sizes} must be positive and sum to {n}")
+        self.shard_sizes = check_shard_sizes(shards, n)
 
     def shard_rows(self, shard: int) -> tuple[int, int]:
         """Row range [start, end) of shard `shard` in one expert's weight."""
-        if not 0 <= shard < len(self.shard_sizes):
-            raise IndexError(f"shard {shard} out of range ({len(self.shard_sizes)} shard(s))")
-        start = sum(self.shard_sizes[:shard])
-        return start, start + self.shard_sizes[shard]
+        return shard_rows(self.shard_sizes, shard)
 
     def update_shape(self, expert: int | None, shard: int | None) -> tuple[int, ...]:
         """The shape `requantize_` takes for (`expert`, `shard`); None means all of them."""
@@ -94,33 +91,15 @@ class QuantExperts(_StackedExperts):
         device = torch.device(device) if device is not None else torch.device("cpu")
         check_gemm_shape(scheme, in_features, out_features, device)
         self.scheme, self.dtype = scheme, dtype
+        self.layout = WeightLayout(scheme, in_features, self.shard_sizes)
         e, n, k = num_experts, out_features, in_features
         self.register_buffer("weight", torch.zeros(e, n, k, dtype=scheme.code_dtype, device=device))
-        g = scheme.weight_granularity
-        if g == "tensor":
-            scale_shape: tuple[int, ...] = (e, len(self.shard_sizes))
-        elif g == "channel":
-            scale_shape = (e, n, 1)
-        else:
-            bn, bk = scheme.block_size
-            scale_shape = (e, sum(math.ceil(s / bn) for s in self.shard_sizes), math.ceil(k / bk))
-        self.register_buffer("weight_scale", torch.ones(scale_shape, device=device))
+        self.register_buffer("weight_scale", torch.ones(e, *self.layout.scale_shape, device=device))
         self.row_scale: torch.Tensor | None
-        if g == "tensor" and len(self.shard_sizes) > 1:  # the GEMM takes one scale per row
+        if self.layout.has_row_scale:  # the GEMM takes one scale per row
             self.register_buffer("row_scale", torch.ones(e, n, device=device), persistent=False)
         else:
             self.row_scale = None
-
-    def _shard_scale(self, expert: int, shard: int) -> torch.Tensor:
-        g, scale = self.scheme.weight_granularity, self.weight_scale[expert]
-        if g == "tensor":
-            return scale[shard]
-        start, end = self.shard_rows(shard)
-        if g == "channel":
-            return scale[start:end]
-        bn = self.scheme.block_size[0]
-        first = sum(math.ceil(s / bn) for s in self.shard_sizes[:shard])
-        return scale[first : first + math.ceil(self.shard_sizes[shard] / bn)]
 
     @torch.no_grad()
     def requantize_(
@@ -134,47 +113,34 @@ class QuantExperts(_StackedExperts):
         returns how many codes changed when `count_changed`, else 0."""
         self._check_update(weight, expert, shard)
         weight = weight.to(self.weight.device)
-        experts = range(self.num_experts) if expert is None else [expert]
-        shards = range(len(self.shard_sizes)) if shard is None else [shard]
-        base = 0 if shard is None else self.shard_rows(shard)[0]
-        rows = slice(base, base + weight.shape[-2])
-        target = self.weight[:, rows] if expert is None else self.weight[expert, rows]
+        start, end = (0, self.out_features) if shard is None else self.shard_rows(shard)
+        target = self.weight[:, start:end] if expert is None else self.weight[expert, start:end]
         old = target.clone() if count_changed else None
         if self.scheme.weight_granularity == "channel" and shard is None:
-            # per-channel scales are row-local: every expert and shard in one call, the same bits
-            rows_out = target.reshape(-1, self.in_features)
+            # per-channel scales are row-local: every expert's rows in one call, the same bits
             scales = self.weight_scale if expert is None else self.weight_scale[expert]
-            quantize_weight(
-                weight.reshape(-1, self.in_features),
-                self.scheme,
-                out=rows_out,
-                scale_out=scales.view(-1, 1),
-                name="expert weight",
-            )
-            experts = []
-        for e in experts:
-            local_all = weight[e] if expert is None else weight
-            for i in shards:
-                start, end = self.shard_rows(i)
-                quantize_weight(
-                    local_all[start - base : end - base],
-                    self.scheme,
-                    out=self.weight[e, start:end],
-                    scale_out=self._shard_scale(e, i),
-                    name=f"expert {e} shard {i} weight",
+            rows = (-1, self.in_features)
+            flat = (target.reshape(rows), scales.view(-1, 1), None, weight.reshape(rows))
+            self.layout.requantize_(*flat, name="expert weight")
+        else:
+            for e in range(self.num_experts) if expert is None else [expert]:
+                local = weight[e] if expert is None else weight
+                self.layout.requantize_(
+                    *self.expert_buffers(e), local, shard, name=f"expert {e} weight"
                 )
-                if self.row_scale is not None:
-                    self.row_scale[e, start:end].copy_(self.weight_scale[e, i].expand(end - start))
-        if old is None:
-            return 0
-        return int((old.view(torch.uint8) != target.view(torch.uint8)).sum())
+        return 0 if old is None else changed_codes(old, target)
+
+    def expert_buffers(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Views of expert `expert`'s codes, ``weight_scale`` and ``row_scale``: one weight of
+        `self.layout`, laid out as a `QuantLinear`'s buffers."""
+        row_scale = None if self.row_scale is None else self.row_scale[expert]
+        return self.weight[expert], self.weight_scale[expert], row_scale
 
     def expert_scale(self, expert: int) -> torch.Tensor:
         """Expert `expert`'s scale as `scaled_linear` takes it (one per row for a fused
         per-tensor layer)."""
-        if self.row_scale is not None:
-            return self.row_scale[expert]
-        return self.weight_scale[expert]
+        _, scale, row_scale = self.expert_buffers(expert)
+        return gemm_scale(scale, row_scale)
 
     def linear(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """``x @ W_e^T`` for x [M, K], through the same GEMM as `QuantLinear.forward`."""
@@ -199,14 +165,7 @@ class QuantExperts(_StackedExperts):
 
     def dequantized_weight(self, expert: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The [N, K] weight expert `expert` effectively multiplies by: codes times scales."""
-        codes = self.weight[expert]
-        if self.scheme.weight_granularity == "block":
-            scale = self.weight_scale[expert]
-            return dequantize_per_block_shards(
-                codes, scale, self.scheme.block_size, self.shard_sizes, dtype
-            )
-        scale = self.expert_scale(expert)
-        return dequantize_per_row(codes, scale.reshape(-1, 1) if scale.dim() else scale, dtype)
+        return self.layout.dequantize(*self.expert_buffers(expert), dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -4,19 +4,14 @@ Contract (numerics.md section 6): `requantize_(w)` computes fresh scales from `w
 codes and scales into the *existing* buffers, so `data_ptr()` never changes and captured CUDA graphs
 or compiled code stay valid.
 
-Fused layers (q/k/v -> qkv, gate/up -> gate_up) are built from *shards*, one per checkpoint tensor.
-Each shard is quantized on its own: per-channel schemes are row-local anyway; the per-tensor scheme
-keeps one scale per shard (like a pre-quantized FP8 checkpoint, unlike vLLM's online per-tensor,
-which takes one amax over the fused weight); the block scheme gives each shard its own block grid.
-So a shard that arrives alone (q without k and v) is re-quantized exactly as a fresh load of the
-whole layer would quantize it, and the other shards keep their codes. For real models, whose shard
-sizes are multiples of 128, the per-shard block grid is the ordinary 128x128 grid.
+Fused layers (q/k/v -> qkv, gate/up -> gate_up) are built from *shards*, one per checkpoint tensor,
+each quantized on its own; the scale layout and the per-shard rules are `flashrl.quant.granularity`,
+shared with `QuantExperts`.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,16 +21,19 @@ import torch.nn as nn
 
 from flashrl.core.config import DEFAULT_SKIP
 from flashrl.errors import InputError
-from flashrl.quant.gemm import check_gemm_shape, scaled_linear
-from flashrl.quant.primitives import (
-    check_float_input,
-    dequantize_per_block_shards,
-    dequantize_per_row,
-    quantize_weight,
+from flashrl.quant.dispatch import scaled_linear
+from flashrl.quant.encode import check_float_input
+from flashrl.quant.gemm import check_gemm_shape
+from flashrl.quant.granularity import (
+    WeightLayout,
+    changed_codes,
+    check_shard_sizes,
+    gemm_scale,
+    shard_rows,
 )
 from flashrl.quant.schemes import QuantScheme, get_scheme
 from flashrl.quant.smoothing import observe_and_scale
-from flashrl.quant.stochastic import round_to_dtype, stochastic_codes_
+from flashrl.quant.stochastic import round_to_dtype
 
 
 class _ShardedLinear:
@@ -47,12 +45,7 @@ class _ShardedLinear:
 
     def shard_rows(self, shard: int) -> tuple[int, int]:
         """Row range [start, end) of shard `shard` in the fused weight."""
-        if not 0 <= shard < len(self.shard_sizes):
-            raise IndexError(
-                f"shard {shard} out of range for a layer with {len(self.shard_sizes)} shard(s)"
-            )
-        start = sum(self.shard_sizes[:shard])
-        return start, start + self.shard_sizes[shard]
+        return shard_rows(self.shard_sizes, shard)
 
     @torch.no_grad()
     def set_bias_(self, bias: torch.Tensor, shard: int | None = None) -> None:
@@ -88,24 +81,21 @@ class QuantLinear(_ShardedLinear, nn.Module):
             raise ValueError(
                 f"scheme {scheme.name!r} does not quantize; keep the layer as nn.Linear"
             )
-        shards = tuple(int(s) for s in (shard_sizes or (out_features,)))
-        if sum(shards) != out_features or min(shards) <= 0:
-            raise ValueError(
-                f"shard_sizes {shards} must be positive and sum to out_features={out_features}"
-            )
+        shards = check_shard_sizes(shard_sizes, out_features)
         device = torch.device(device) if device is not None else torch.device("cpu")
         check_gemm_shape(scheme, in_features, out_features, device)
         self.in_features, self.out_features = in_features, out_features
         self.scheme, self.shard_sizes, self.dtype = scheme, shards, dtype
+        self.layout = WeightLayout(scheme, in_features, shards)
         self.register_buffer(
             "weight", torch.zeros(out_features, in_features, dtype=scheme.code_dtype, device=device)
         )
         self.register_buffer(
-            "weight_scale", torch.ones(self._scale_shape(), dtype=torch.float32, device=device)
+            "weight_scale", torch.ones(self.layout.scale_shape, dtype=torch.float32, device=device)
         )
         # Per-tensor over several shards: the GEMM needs one scale per row, kept in its own buffer.
         self.row_scale: torch.Tensor | None
-        if scheme.weight_granularity == "tensor" and len(shards) > 1:
+        if self.layout.has_row_scale:
             self.register_buffer(
                 "row_scale",
                 torch.ones(out_features, dtype=torch.float32, device=device),
@@ -142,28 +132,6 @@ class QuantLinear(_ShardedLinear, nn.Module):
             layer.bias.copy_(linear.bias.detach())
         return layer
 
-    def _scale_shape(self) -> tuple[int, ...]:
-        g = self.scheme.weight_granularity
-        if g == "tensor":
-            return (len(self.shard_sizes),)
-        if g == "channel":
-            return (self.out_features, 1)
-        bn, bk = self.scheme.block_size
-        return (sum(math.ceil(n / bn) for n in self.shard_sizes), math.ceil(self.in_features / bk))
-
-    # ---------------------------------------------------------------- shards
-
-    def _shard_scale(self, shard: int) -> torch.Tensor:
-        g = self.scheme.weight_granularity
-        if g == "tensor":
-            return self.weight_scale[shard]
-        start, end = self.shard_rows(shard)
-        if g == "channel":
-            return self.weight_scale[start:end]
-        bn = self.scheme.block_size[0]
-        first = sum(math.ceil(n / bn) for n in self.shard_sizes[:shard])
-        return self.weight_scale[first : first + math.ceil(self.shard_sizes[shard] / bn)]
-
     # ---------------------------------------------------------------- requantization
 
     @torch.no_grad()
@@ -182,7 +150,6 @@ class QuantLinear(_ShardedLinear, nn.Module):
         `count_changed` is set (a per-sync diagnostic), else 0.
         """
         check_float_input(weight, "weight")
-        shards = range(len(self.shard_sizes)) if shard is None else [shard]
         rows = (0, self.out_features) if shard is None else self.shard_rows(shard)
         expected = (rows[1] - rows[0], self.in_features)
         if tuple(weight.shape) != expected:
@@ -192,35 +159,15 @@ class QuantLinear(_ShardedLinear, nn.Module):
         if self.smooth is not None:  # codes of W * s (fp32, as the quantizer computes anyway)
             weight = weight.float() * self.smooth
         old = self.weight[rows[0] : rows[1]].clone() if count_changed else None
-        if self.scheme.weight_granularity == "channel" and shard is None:
-            quantize_weight(weight, self.scheme, out=self.weight, scale_out=self.weight_scale)
-            if generator is not None:
-                stochastic_codes_(self.weight, weight, self.weight_scale, self.scheme, generator)
-        else:
-            for i in shards:
-                start, end = self.shard_rows(i)
-                local = weight[start - rows[0] : end - rows[0]]
-                quantize_weight(
-                    local,
-                    self.scheme,
-                    out=self.weight[start:end],
-                    scale_out=self._shard_scale(i),
-                    name=f"weight shard {i}" if len(self.shard_sizes) > 1 else "weight",
-                )
-                if generator is not None:
-                    codes, scale = self.weight[start:end], self._shard_scale(i)
-                    stochastic_codes_(codes, local, scale, self.scheme, generator)
-                if self.row_scale is not None:
-                    self.row_scale[start:end].copy_(self.weight_scale[i].expand(end - start))
-        if old is None:
-            return 0
-        new = self.weight[rows[0] : rows[1]]
-        return int((old.view(torch.uint8) != new.view(torch.uint8)).sum())
+        self.layout.requantize_(
+            self.weight, self.weight_scale, self.row_scale, weight, shard, generator
+        )
+        return 0 if old is None else changed_codes(old, self.weight[rows[0] : rows[1]])
 
     # ---------------------------------------------------------------- compute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.row_scale if self.row_scale is not None else self.weight_scale
+        scale = gemm_scale(self.weight_scale, self.row_scale)
         xs = x if self.smooth is None else observe_and_scale(self, x)
         return scaled_linear(
             xs, self.weight, scale, self.scheme, self.bias, x.dtype, self.shard_sizes
@@ -228,13 +175,7 @@ class QuantLinear(_ShardedLinear, nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the layer effectively multiplies by: codes times scales (over s, smoothed)."""
-        if self.scheme.weight_granularity == "block":
-            w = dequantize_per_block_shards(
-                self.weight, self.weight_scale, self.scheme.block_size, self.shard_sizes, dtype
-            )
-        else:
-            scale = self.row_scale[:, None] if self.row_scale is not None else self.weight_scale
-            w = dequantize_per_row(self.weight, scale, dtype)
+        w = self.layout.dequantize(self.weight, self.weight_scale, self.row_scale, dtype)
         return w if self.smooth is None else (w.float() / self.smooth).to(dtype)
 
     def nbytes(self) -> int:

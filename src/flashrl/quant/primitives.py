@@ -17,9 +17,9 @@ The rules (shared/reference/numerics.md section 2):
 Shapes not divisible by the block or group size are zero-padded for the scale computation: zeros
 leave every amax unchanged, so a trailing partial block is quantized exactly as if it were whole.
 
-`quantize_weight` and `quantize_activation` run the fused Triton kernels of `flashrl.quant.kernels`
-on CUDA tensors (same bits, one or two passes over memory; ``FLASHRL_QUANT_KERNELS`` switches, see
-`quantizer_for`); the per-granularity functions below are always the torch reference.
+The functions below are always the torch reference. `flashrl.quant.dispatch` (`quantize_weight`,
+`quantize_activation`) runs them, or the fused Triton kernels of `flashrl.quant.kernels` with the
+same signatures and the same bits on CUDA tensors (``FLASHRL_QUANT_KERNELS`` switches).
 
 Layouts: a weight is [N, K] (out, in), activations are [M, K]. Scales:
 per tensor ``[]``; per row ``[R, 1]``; per block ``[ceil(N/bn), ceil(K/bk)]``; per group
@@ -29,12 +29,9 @@ per tensor ``[]``; per row ``[R, 1]``; per block ``[ceil(N/bn), ceil(K/bk)]``; p
 from __future__ import annotations
 
 import math
-from types import ModuleType, SimpleNamespace
 
 import torch
 
-from flashrl.errors import InputError
-from flashrl.quant import kernels as _kernels
 from flashrl.quant.encode import (  # noqa: F401  (re-exported: the primitives' public API)
     CHUNK_ELEMENTS,
     FLOAT_INPUTS,
@@ -49,7 +46,6 @@ from flashrl.quant.encode import (  # noqa: F401  (re-exported: the primitives' 
     scale_from_amax,
     upcast,
 )
-from flashrl.quant.schemes import QuantScheme
 
 # --------------------------------------------------------------------------------------------
 # per tensor
@@ -237,72 +233,3 @@ def dequantize_per_group(
     k = q.shape[1]
     expanded = upcast(scale, dtype).repeat_interleave(group, dim=1)[:, :k]
     return (upcast(q, dtype) * expanded).to(dtype)
-
-
-# --------------------------------------------------------------------------------------------
-# scheme-level entry points
-# --------------------------------------------------------------------------------------------
-
-
-_REFERENCE = SimpleNamespace(
-    quantize_per_tensor=quantize_per_tensor,
-    quantize_per_row=quantize_per_row,
-    quantize_per_block=quantize_per_block,
-    quantize_per_group=quantize_per_group,
-)
-"""The torch reference implementations, as the dispatch sees them."""
-
-
-def quantizer_for(x: torch.Tensor) -> SimpleNamespace | ModuleType:
-    """The implementation that quantizes `x`: the Triton kernels (`flashrl.quant.kernels`, same
-    functions and bit-identical results) or the torch reference above. Chosen by
-    ``FLASHRL_QUANT_KERNELS`` (auto: Triton for CUDA tensors when it is installed); see
-    `flashrl.quant.kernels`. This is a speed choice, never a precision one."""
-    return _kernels if _kernels.use_triton(x) else _REFERENCE
-
-
-def quantize_weight(
-    w: torch.Tensor,
-    scheme: QuantScheme,
-    out: torch.Tensor | None = None,
-    scale_out: torch.Tensor | None = None,
-    check_finite: bool = True,
-    name: str = "weight",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2-D weight [N, K] with `scheme`'s weight granularity. Returns (codes, scales).
-
-    Runs the Triton kernels or the torch reference (`quantizer_for`); both give the same bits."""
-    check_float_input(w, name)
-    if scheme.weight_granularity not in ("tensor", "channel", "block"):
-        raise ValueError(f"scheme {scheme.name!r} does not quantize weights")
-    impl = quantizer_for(w)
-    try:
-        if scheme.weight_granularity == "tensor":
-            return impl.quantize_per_tensor(w, scheme.code_dtype, out, scale_out, check_finite)
-        if scheme.weight_granularity == "channel":
-            return impl.quantize_per_row(w, scheme.code_dtype, out, scale_out, check_finite)
-        return impl.quantize_per_block(
-            w, scheme.code_dtype, scheme.block_size, out, scale_out, check_finite
-        )
-    except InputError as err:
-        raise InputError(f"{name}: {err}") from None
-
-
-def quantize_activation(
-    x: torch.Tensor, scheme: QuantScheme, check_finite: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic activation quantization of a 2-D input [M, K] with `scheme`'s activation granularity.
-
-    Scales: ``[]`` (tensor), ``[M, 1]`` (token), ``[M, ceil(K/g)]`` (group). Runs the Triton
-    kernels or the torch reference (`quantizer_for`); both give the same bits.
-    """
-    if scheme.activation_granularity not in ("tensor", "token", "group"):
-        raise ValueError(f"scheme {scheme.name!r} does not quantize activations")
-    impl = quantizer_for(x)
-    if scheme.activation_granularity == "tensor":
-        return impl.quantize_per_tensor(x, scheme.code_dtype, check_finite=check_finite)
-    if scheme.activation_granularity == "token":
-        return impl.quantize_per_row(x, scheme.code_dtype, check_finite=check_finite)
-    return impl.quantize_per_group(
-        x, scheme.code_dtype, scheme.group_size, check_finite=check_finite
-    )

@@ -15,7 +15,8 @@ has the table of checks and tolerances, and why `logprobs` and `kv_cache` are tw
 A scheme that cannot run on the device is a SKIP row with the reason; a SKIP is not a PASS. Any
 exception inside a check is a FAIL row naming it. The checks are registered in `CHECKS` (name ->
 `Check`), looked up when `run_verify` runs; the GEMM check calls the production kernels through
-`flashrl.quant.gemm`, so a test can replace either to make a row fail.
+`flashrl.quant.gemm` and the table `flashrl.quant.dispatch.GEMMS`, so a test can replace either to
+make a row fail.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from flashrl.core.sampling import SamplingParams
 from flashrl.engine import Engine
 from flashrl.engine.sampler import SampledTokens
 from flashrl.model.weights import iter_checkpoint
-from flashrl.quant import gemm, primitives
+from flashrl.quant import dispatch, gemm
 from flashrl.quant.linear import QuantLinear
 from flashrl.quant.schemes import QuantScheme, get_scheme
 from flashrl.tools.verify_context import (
@@ -76,9 +76,10 @@ def check_gemm(ctx: VerifyContext, scheme: str) -> str:
                 f"{float((err - bound).max()):.3g} (M={m})"
             )
         for x_in in (x.float(), x.to(torch.bfloat16)):  # fp32 and bf16 activations (and outputs)
-            xq, x_scale = primitives.quantize_activation(x_in, s)
+            xq, x_scale = dispatch.quantize_activation(x_in, s)
             if s.code_dtype == torch.int8:
-                acc = gemm.int8_mm(xq, layer.weight)
+                int8_mm = gemm.int8_mm_cuda if xq.is_cuda else gemm.int8_mm_cpu
+                acc = int8_mm(xq, layer.weight)
                 exact = xq.cpu().to(torch.int64) @ layer.weight.cpu().to(torch.int64).t()
                 if acc.dtype != torch.int32 or not torch.equal(acc.cpu().to(torch.int64), exact):
                     diff = (acc.cpu().to(torch.int64) - exact).abs().max()

@@ -1,5 +1,5 @@
 """Which GEMM a flashrl-quantized vLLM layer runs: vLLM's own scaled-mm kernel where vLLM has one
-for the scheme, flashrl's op (`flashrl.quant.gemm.scaled_linear`) where it has none.
+for the scheme, flashrl's op (`flashrl.quant.dispatch.scaled_linear`) where it has none.
 
 Why: vLLM tests its kernels on GPUs (CUTLASS, Triton, DeepGEMM, oneDNN on CPU); this project
 cannot run a GPU. Numerics stay flashrl's where they matter for RL: the weight codes and scales
@@ -168,7 +168,7 @@ saturate 16-bit pair sums), so flashrl's exact op is used there."""
 
 def _probe_error(state: KernelState, scheme: str, layer: Any, dtype: torch.dtype) -> float:
     """Run the kernel on a seeded 5-row input and compare with flashrl's op on the same codes."""
-    from flashrl.quant.gemm import scaled_linear
+    from flashrl.quant.dispatch import scaled_linear
     from flashrl.quant.schemes import get_scheme
 
     gen = torch.Generator().manual_seed(0)

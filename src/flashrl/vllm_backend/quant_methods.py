@@ -7,7 +7,7 @@ weights are complete, `process_weights_after_loading` quantizes them with flashr
 layer's fused weight is handed to `QuantLinear.requantize_` with ``shard_sizes`` set to vLLM's
 ``output_partition_sizes`` (q/k/v or gate/up), so codes and scales are exactly those of
 ``QuantLinear.from_linear(fused, scheme, shard_sizes=...)`` (per-tensor fp8 keeps one scale per
-shard; blocks get one grid per shard). The forward pass calls `flashrl.quant.gemm.scaled_linear`,
+shard; blocks get one grid per shard). The forward pass calls `flashrl.quant.dispatch.scaled_linear`,
 the function `QuantLinear.forward` calls, so a vLLM layer and a `QuantLinear` agree bit for bit.
 
 Per-step reload uses vLLM's layerwise reload (`vllm/model_executor/model_loader/reload`): it puts
@@ -38,7 +38,8 @@ from vllm.model_executor.utils import replace_parameter, set_weight_attrs
 from vllm.platforms import current_platform
 
 from flashrl.errors import WeightError
-from flashrl.quant.gemm import check_gemm_shape, scaled_linear
+from flashrl.quant.dispatch import scaled_linear
+from flashrl.quant.gemm import check_gemm_shape
 from flashrl.quant.linear import QuantLinear
 from flashrl.quant.schemes import get_scheme
 from flashrl.vllm_backend import direct_load, kernels
@@ -90,7 +91,7 @@ def flashrl_scaled_linear(
     kernel_id: int,
 ) -> torch.Tensor:
     """``x @ dequant(weight)^T + bias`` in x's dtype: vLLM's kernel bound under `kernel_id`
-    (`flashrl.vllm_backend.kernels`), or `flashrl.quant.gemm.scaled_linear` for ``kernel_id=-1``."""
+    (`flashrl.vllm_backend.kernels`), or `flashrl.quant.dispatch.scaled_linear` for ``kernel_id=-1``."""
     if kernel_id >= 0:
         return kernels.run_kernel(kernel_id, x, bias)
     return scaled_linear(x, weight, scale, get_scheme(scheme), bias, x.dtype, tuple(shard_sizes))

@@ -1,10 +1,11 @@
-"""Triton kernels for the GPU quantization paths, and the switch that picks them.
+"""Triton kernels for the GPU quantization paths: the switch that picks them, and their loader.
 
 `requant` holds fused kernels whose codes and scales are bit-identical to the reference quantizer in
 `flashrl.quant.primitives` (same math, not an approximation), for every granularity: per row
-(per-channel weights, per-token activations), per tensor, 128x128 blocks and 1x128 groups.
-`primitives.quantize_weight` and `primitives.quantize_activation` (so `QuantLinear.requantize_` and
-every GEMM in `flashrl.quant.gemm`) ask `use_triton(x)` which implementation to run:
+(per-channel weights, per-token activations), per tensor, 128x128 blocks and 1x128 groups; `launch`
+holds their host side, one function per granularity with the reference's signature. The dispatch
+table `flashrl.quant.dispatch.QUANTIZERS` (so `QuantLinear.requantize_` and every GEMM) asks
+`use_triton(x)` which of the two to run:
 
 - ``FLASHRL_QUANT_KERNELS=auto`` (default): Triton for CUDA tensors when `triton` imports, else the
   torch reference. The choice is logged once per device type at INFO.
@@ -34,7 +35,6 @@ from types import ModuleType
 import torch
 
 from flashrl.errors import ConfigError, UnsupportedError
-from flashrl.quant.kernels import launch
 
 logger = logging.getLogger(__name__)
 
@@ -179,56 +179,6 @@ def kernels_for(x: torch.Tensor) -> ModuleType:
     return _load(interpret=interpreter_enabled() or not x.is_cuda)
 
 
-def quantize_per_row(
-    x: torch.Tensor,
-    code_dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-    scale_out: torch.Tensor | None = None,
-    check_finite: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton `primitives.quantize_per_row` (bit-identical)."""
-    return launch.quantize_per_row(kernels_for(x), x, code_dtype, out, scale_out, check_finite)
-
-
-def quantize_per_tensor(
-    x: torch.Tensor,
-    code_dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-    scale_out: torch.Tensor | None = None,
-    check_finite: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton `primitives.quantize_per_tensor` (bit-identical)."""
-    return launch.quantize_per_tensor(kernels_for(x), x, code_dtype, out, scale_out, check_finite)
-
-
-def quantize_per_block(
-    w: torch.Tensor,
-    code_dtype: torch.dtype,
-    block: tuple[int, int] = (128, 128),
-    out: torch.Tensor | None = None,
-    scale_out: torch.Tensor | None = None,
-    check_finite: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton `primitives.quantize_per_block` (bit-identical)."""
-    return launch.quantize_per_block(
-        kernels_for(w), w, code_dtype, block, out, scale_out, check_finite
-    )
-
-
-def quantize_per_group(
-    x: torch.Tensor,
-    code_dtype: torch.dtype,
-    group: int = 128,
-    out: torch.Tensor | None = None,
-    scale_out: torch.Tensor | None = None,
-    check_finite: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton `primitives.quantize_per_group` (bit-identical)."""
-    return launch.quantize_per_group(
-        kernels_for(x), x, code_dtype, group, out, scale_out, check_finite
-    )
-
-
 __all__ = [
     "ENV_VAR",
     "MODES",
@@ -236,10 +186,6 @@ __all__ = [
     "interpreter_enabled",
     "kernels_for",
     "mode_scope",
-    "quantize_per_block",
-    "quantize_per_group",
-    "quantize_per_row",
-    "quantize_per_tensor",
     "set_mode",
     "triton_available",
     "unsupported_reason",

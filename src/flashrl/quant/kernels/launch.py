@@ -1,9 +1,11 @@
-"""Host side of the Triton quantization kernels: argument checks, launch shapes and the reference
-signatures of `flashrl.quant.primitives` (one function per granularity, bit-identical results).
+"""Host side of the Triton quantization kernels: argument checks, launch shapes, and one function per
+granularity with the signature of its torch reference in `flashrl.quant.primitives` (bit-identical
+results); `flashrl.quant.dispatch.QUANTIZERS` picks between the two.
 
-Every function takes the `requant` module copy to launch (compiled or interpreted, chosen by
-`flashrl.quant.kernels.kernels_for`) as its first argument, so this module never imports Triton and
-loads on machines without it.
+The `quantize_per_*` functions load the `requant` copy that runs on their input
+(`flashrl.quant.kernels.kernels_for`: compiled for CUDA tensors, interpreted for CPU tensors); the
+`launch_*` helpers take that copy as their first argument. Triton itself is imported only there, so
+this module loads on machines without it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from flashrl.errors import InputError
 from flashrl.quant.encode import block_grid, check_out, qmax_of, raise_if_not_finite
+from flashrl.quant.kernels import kernels_for
 from flashrl.quant.schemes import AMAX_EPS
 
 ONE_PASS_MAX_K = 16384
@@ -105,7 +108,6 @@ def launch_rows(
 
 
 def quantize_per_row(
-    kernels: ModuleType,
     x: torch.Tensor,
     code_dtype: torch.dtype,
     out: torch.Tensor | None = None,
@@ -123,14 +125,13 @@ def quantize_per_row(
         else scale_out
     )
     if x.numel():
-        launch_rows(kernels, x, out, scale, scale.stride(0), True, code_dtype, qmax)
+        launch_rows(kernels_for(x), x, out, scale, scale.stride(0), True, code_dtype, qmax)
     if check_finite:
         raise_if_not_finite(x, scale, "tensor")
     return out, scale
 
 
 def quantize_per_tensor(
-    kernels: ModuleType,
     x: torch.Tensor,
     code_dtype: torch.dtype,
     out: torch.Tensor | None = None,
@@ -152,6 +153,7 @@ def quantize_per_tensor(
         torch.empty((), dtype=torch.float32, device=x.device) if scale_out is None else scale_out
     )
     m, k = x.shape
+    kernels = kernels_for(x)
     amax = torch.empty(m, dtype=torch.float32, device=x.device)
     block_m, block_k, _ = _row_launch(k)
     block_k = min(block_k, 4096)
@@ -216,7 +218,6 @@ def launch_tiles(
 
 
 def quantize_per_block(
-    kernels: ModuleType,
     w: torch.Tensor,
     code_dtype: torch.dtype,
     block: tuple[int, int] = (128, 128),
@@ -235,16 +236,14 @@ def quantize_per_block(
         torch.empty(grid, dtype=torch.float32, device=w.device) if scale_out is None else scale_out
     )
     if w.numel():
-        launch_tiles(
-            kernels, w, out, scale, (int(block[0]), int(block[1])), False, code_dtype, qmax
-        )
+        tile = (int(block[0]), int(block[1]))
+        launch_tiles(kernels_for(w), w, out, scale, tile, False, code_dtype, qmax)
     if check_finite:
         raise_if_not_finite(w, scale, "tensor")
     return out, scale
 
 
 def quantize_per_group(
-    kernels: ModuleType,
     x: torch.Tensor,
     code_dtype: torch.dtype,
     group: int = 128,
@@ -267,7 +266,7 @@ def quantize_per_group(
     )
     if x.numel():
         rows = max(1, min(next_power_of_2(m), TILE_ELEMENTS // next_power_of_2(group)))
-        launch_tiles(kernels, x, out, scale, (rows, int(group)), True, code_dtype, qmax)
+        launch_tiles(kernels_for(x), x, out, scale, (rows, int(group)), True, code_dtype, qmax)
     if check_finite:
         raise_if_not_finite(x, scale, "tensor")
     return out, scale
