@@ -25,7 +25,7 @@ from flashrl.masked import to_floats
 from flashrl.rl import loss
 
 if TYPE_CHECKING:
-    from flashrl.rl.policy_loss import LossOptions
+    from flashrl.rl.loss import LossOptions
 
 LOG_RATIO_MAX = 10.0
 """Upper clamp of ``log s_it``, as verl's GSPO."""

@@ -34,6 +34,20 @@ AGGREGATIONS = (
 """verl's ``loss_agg_mode`` values (``-`` written ``_``)."""
 
 
+@dataclass(frozen=True)
+class LossOptions:
+    """What every policy loss may read (`AlgoConfig` fields, plus the micro-batch's denominator);
+    here, below the losses that read it (`flashrl.rl.policy_loss`, `flashrl.rl.gspo`)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = None
+    aggregation: str = "token_mean"
+    denominator: float | None = None
+    """Replaces the outer count of the aggregation (see `aggregate`)."""
+    max_length: int | None = None
+
+
 def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

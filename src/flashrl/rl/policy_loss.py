@@ -15,28 +15,15 @@ in `POLICY_LOSSES`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from flashrl.errors import ConfigError
 from flashrl.masked import LOG_RATIO_CLAMP, to_floats
 from flashrl.rl import gspo, loss
+from flashrl.rl.loss import LossOptions
 
 __all__ = ["POLICY_LOSSES", "LossOptions", "PolicyLoss", "get_policy_loss"]
-
-
-@dataclass(frozen=True)
-class LossOptions:
-    """What every policy loss may read (`AlgoConfig` fields, plus the micro-batch's denominator)."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = None
-    aggregation: str = "token_mean"
-    denominator: float | None = None
-    """Replaces the outer count of the aggregation (see `flashrl.rl.loss.aggregate`)."""
-    max_length: int | None = None
 
 
 PolicyLoss = Callable[

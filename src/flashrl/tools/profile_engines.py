@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -23,12 +23,10 @@ from flashrl.errors import UnsupportedError
 from flashrl.model.config import ModelConfig
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.tools.calibration_prompts import calibration_prompts
+from flashrl.tools.profile_config import ProfileConfig
 from flashrl.tools.profile_metrics import distribution_mismatch, sampled_mismatch
 from flashrl.tools.profile_schema import CalibrationSummary
 from flashrl.tools.verify_context import scheme_unsupported_reason
-
-if TYPE_CHECKING:
-    from flashrl.tools.profile import ProfileConfig
 
 logger = logging.getLogger(__name__)
 
