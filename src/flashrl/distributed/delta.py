@@ -217,18 +217,30 @@ class DeltaSender:
         if old is not None and (old.value.shape, old.value.device) == (value.shape, value.device):
             index, values = diff_values(old.value, value)
             counts["dense_changed"] += index.numel()
-            pair_bytes = index.numel() * (index.element_size() + value.element_size())
-            if not full and pair_bytes < value.numel() * value.element_size():
-                self.pending[name] = (index, values)
-                idx = str(index.dtype).removeprefix("torch.")
-                metas = [
-                    TensorMeta(name, "index", idx, (index.numel(),)),
-                    TensorMeta(name, "values", dtype, (index.numel(),)),
-                ]
+            whole = value.numel() * value.element_size()
+            metas = self._pairs(name, index, values, "values", whole, full) or metas
         else:
             counts["dense_changed"] += value.numel()
         self.dense[name] = DenseMirror(value, checksum(value, value[:0]))
         return metas
+
+    def _pairs(
+        self,
+        name: str,
+        index: torch.Tensor,
+        values: torch.Tensor,
+        kind: str,
+        whole_bytes: int,
+        full: bool,
+    ) -> list[TensorMeta] | None:
+        """The (index, `kind`) metas of a delta, kept pending for `tensors`; None when the sync is
+        full or the pairs would outweigh the whole tensor (it then travels whole)."""
+        if full or index.numel() * (index.element_size() + values.element_size()) >= whole_bytes:
+            return None
+        self.pending[name] = (index, values)
+        idx, dtype = (str(t.dtype).removeprefix("torch.") for t in (index, values))
+        n = (index.numel(),)
+        return [TensorMeta(name, "index", idx, n), TensorMeta(name, kind, dtype, n)]
 
     def _encode(
         self, name: str, w: torch.Tensor, scheme: QuantScheme, full: bool, counts: dict[str, int]
@@ -253,14 +265,8 @@ class DeltaSender:
         if old is not None:
             index, changed = diff_codes(old.codes, codes)
             counts["changed"] += index.numel()
-            pair_bytes = index.numel() * (index.element_size() + changed.element_size())
-            if not full and pair_bytes < codes.numel() * codes.element_size():
-                self.pending[name] = (index, changed)
-                idx = str(index.dtype).removeprefix("torch.")
-                metas = [
-                    TensorMeta(name, "index", idx, (index.numel(),)),
-                    TensorMeta(name, "changed", code, (index.numel(),)),
-                ]
+            whole = codes.numel() * codes.element_size()
+            metas = self._pairs(name, index, changed, "changed", whole, full) or metas
         else:
             counts["changed"] += codes.numel()
         self.mirrors[name] = Mirror(codes, scale, ref, checksum(codes, scale))
