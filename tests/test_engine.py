@@ -27,6 +27,7 @@ VARIANTS = [
     ("qwen2", {"tie_word_embeddings": False}),
     ("qwen3", {"tie_word_embeddings": False}),
     ("llama", {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}),
+    ("qwen3", {"attention_bias": True}),  # transformers gives o_proj a bias too
 ]
 ROPE_VARIANTS = [
     {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},

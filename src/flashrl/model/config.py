@@ -33,7 +33,7 @@ class Family:
     name: str
     qkv_bias: Literal["attention_bias", "always", "qkv_bias"] = "attention_bias"
     """q/k/v biases: config ``attention_bias``, always (Qwen2), or config ``qkv_bias`` (Qwen2-MoE)."""
-    o_proj_bias: bool = False  # o_proj has a bias whenever q/k/v have one (Llama)
+    o_proj_bias: bool = False  # o_proj has a bias whenever q/k/v have one (Llama, Qwen3)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     sliding_window: bool = False  # `sliding_window` honoured (Qwen's needs use_sliding_window)
     refused: tuple[str, ...] = ()  # config flags of unimplemented variants: true is refused
@@ -44,7 +44,7 @@ FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("llama", o_proj_bias=True),
     "MistralForCausalLM": Family("mistral", sliding_window=True),
     "Qwen2ForCausalLM": Family("qwen2", qkv_bias="always", refused=("use_sliding_window",)),
-    "Qwen3ForCausalLM": Family("qwen3", qk_norm=True),
+    "Qwen3ForCausalLM": Family("qwen3", qk_norm=True, o_proj_bias=True),
     "Qwen3MoeForCausalLM": Family(
         "qwen3_moe", qk_norm=True, refused=("use_sliding_window", "attention_bias"), moe="qwen"
     ),
