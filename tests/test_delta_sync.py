@@ -328,7 +328,11 @@ def test_sender_settings_are_checked(kwargs, match):
             r"rollout.workers.delta_full_every=-2 is invalid",
         ),
         (  # the trainer rounds the codes to nearest: stochastic sync rounding would be lost
-            {"rollout.sync_rounding": "stochastic", "rollout.workers.payload": "delta"},
+            {
+                "rollout.sync_rounding": "stochastic",
+                "rollout.workers.count": "1",
+                "rollout.workers.payload": "delta",
+            },
             "rollout.workers.payload=delta sends codes the trainer rounds",
         ),
     ],

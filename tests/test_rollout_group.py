@@ -185,3 +185,25 @@ def test_workers_config_checks_itself_when_built_directly():
         WorkersConfig(address=5)
     with pytest.raises(ConfigError, match=r"rollout.workers.cpus='1' is not a number"):
         WorkersConfig(cpus="1")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"payload": "delta"}, {"threads": 2, "cpus": 2.0}, {"address": "auto"}, {"bucket_mb": 8.0}],
+)
+def test_worker_settings_without_workers_are_refused_not_ignored(fields):
+    """rollout.workers.count=0 generates in the trainer's process: a worker-only setting would be
+    silently ignored there, so it is refused, naming each one."""
+    with pytest.raises(ConfigError, match="no effect without rollout workers") as err:
+        WorkersConfig(**fields)
+    for name in fields:
+        assert f"rollout.workers.{name}=" in str(err.value)
+    assert WorkersConfig(count=1, **fields).count == 1
+
+
+@pytest.mark.parametrize("address", ["host", "http://head:6379", "", "head:port"])
+def test_a_malformed_ray_address_is_refused_before_anything_starts(address):
+    with pytest.raises(ConfigError, match="allowed: none \\(a local Ray\\), 'auto', 'local'"):
+        WorkersConfig(count=1, address=address)
+    for good in ("auto", "local", "10.0.0.2:6379", "ray://head:10001", "[::1]:6379"):
+        assert WorkersConfig(count=1, address=good).address == good

@@ -194,10 +194,14 @@ def test_train_config_refuses_trainer_made_codes_with_worker_only_rounding(rollo
 
     flags = {"rollout.quant": "int8", **rollout}
     assert build_config("tiny-cpu", None, flags).rollout.quant == "int8"  # fine with stream
-    with pytest.raises(
-        ConfigError, match="rollout.workers.payload=codes sends codes the trainer rounds"
-    ):
-        build_config("tiny-cpu", None, {**flags, "rollout.workers.payload": "codes"})
+    # smoothing is refused on workers at all (their stream never refreshes the factors)
+    message = "sends codes the trainer rounds|runs in the trainer's own engine only"
+    with pytest.raises(ConfigError, match=message):
+        build_config(
+            "tiny-cpu",
+            None,
+            {**flags, "rollout.workers.count": "1", "rollout.workers.payload": "codes"},
+        )
 
 
 def test_train_config_refuses_smoothing_on_ray_workers():

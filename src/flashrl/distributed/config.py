@@ -10,8 +10,9 @@ and what is allowed.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from flashrl.errors import ConfigError
 
@@ -21,6 +22,8 @@ MAX_TIMEOUT_S = 1e7
 """The longest `WorkersConfig.timeout` (about 115 days): larger values overflow the timeouts of
 `datetime.timedelta`, sockets and Ray."""
 PREFIX = "rollout.workers."
+_ADDRESS = re.compile(r"auto|local|(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}")
+"""What Ray's ``init(address=...)`` takes: 'auto', 'local', host:port (IPv6 in brackets), ray://..."""
 
 
 @dataclass(frozen=True)
@@ -69,13 +72,22 @@ class WorkersConfig:
             raise ConfigError(
                 f"{PREFIX}payload={self.payload!r} is invalid; allowed: {', '.join(PAYLOADS)}"
             )
-        if self.address is not None and (not isinstance(self.address, str) or not self.address):
+        if self.address is not None and not (
+            isinstance(self.address, str) and _ADDRESS.fullmatch(self.address)
+        ):
             raise ConfigError(
                 f"{PREFIX}address={self.address!r} is invalid; allowed: none (a local Ray), "
-                f"'auto', host:port or ray://host:port"
+                f"'auto', 'local', host:port or ray://host:port"
             )
         if self.async_rollouts and self.count < 1:
             raise ConfigError(f"{PREFIX}async_rollouts needs {PREFIX}count >= 1")
+        unused = [f.name for f in fields(self) if getattr(self, f.name) != f.default]
+        if self.count == 0 and unused != ["count"] and unused:
+            names = ", ".join(f"{PREFIX}{n}={getattr(self, n)!r}" for n in unused)
+            raise ConfigError(
+                f"{names}: no effect without rollout workers ({PREFIX}count=0 generates in the "
+                f"trainer's process); set {PREFIX}count >= 1 or drop them"
+            )
 
     @property
     def bucket_bytes(self) -> int:
