@@ -57,8 +57,9 @@ def config(model_dir, out, **overrides):
         reward="text_length",
         shards=2,
     )
-    values["rollout.workers.timeout"] = 120.0
     values.update(overrides)
+    if values.get(WORKERS):  # a worker setting without workers is refused
+        values.setdefault("rollout.workers.timeout", 120.0)
     return build_config("tiny-cpu", None, dotted(values))
 
 
