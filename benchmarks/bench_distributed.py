@@ -44,8 +44,9 @@ def run_steps(args: argparse.Namespace, workers: int, root: Path) -> dict:
         "run.plot": False,
         "rollout.workers.count": workers,
         "rollout.shards": args.shards,
-        "rollout.workers.threads": threads,
     }
+    if workers:  # worker settings without workers are refused
+        overrides["rollout.workers.threads"] = threads
     torch.set_num_threads(args.threads)
     trainer = Trainer(build_config("tiny-cpu", None, overrides))
     trainer.train()
