@@ -16,13 +16,12 @@ from flashrl.core.config import RolloutConfig
 from flashrl.distributed.delta import (
     DeltaSender,
     _words_checksum,
-    apply_delta_,
     checksum,
     delta_sync,
-    diff_codes,
     hysteresis_scales,
     quantize_with_scales,
 )
+from flashrl.distributed.dense_delta import apply_values_, diff_values
 from flashrl.distributed.worker import RolloutWorker
 from flashrl.engine.engine import Engine
 from flashrl.errors import ConfigError, WeightError
@@ -126,13 +125,13 @@ def test_diff_and_apply_reproduce_the_new_codes():
     old = torch.randint(-127, 128, (64, 48), dtype=torch.int8, generator=g)
     new = old.clone()
     new.view(-1)[torch.randperm(old.numel(), generator=g)[:50]] = 3
-    index, changed = diff_codes(old, new)
+    index, changed = diff_values(old, new)
     assert index.dtype == torch.int32 and index.numel() == int((old != new).sum())
     target = old.clone()
-    apply_delta_(target, index, changed)
+    apply_values_(target, index, changed)
     assert torch.equal(target, new)
     with pytest.raises(WeightError, match="outside"):
-        apply_delta_(target, torch.tensor([old.numel()], dtype=torch.int32), changed[:1])
+        apply_values_(target, torch.tensor([old.numel()], dtype=torch.int32), changed[:1])
 
 
 # ------------------------------------------------------------------ in-process workers

@@ -15,7 +15,7 @@ from (`ref_amax`). One sync:
 2. **Codes** (`quantize_with_scales`): the reference loop of `flashrl.quant.encode`
    (`quantize_chunked`, `encode_codes`) dividing by the given scales, so the codes equal
    `quantize_per_row` / `quantize_per_tensor`'s whenever the scales are equal.
-3. **Wire** (`diff_codes`): the codes that differ from the mirror, as (flat index, new code) pairs
+3. **Wire** (`dense_delta.diff_values`): the codes that differ from the mirror, as (flat index, new code) pairs
    (int32 indices, int64 for tensors of 2**31 codes or more), plus the whole scale tensor. A tensor
    whose pairs would outweigh its codes travels whole (kind ``codes``). Every
    ``rollout.workers.delta_full_every``-th sync, the first one and every repair send all codes whole; the scales
@@ -117,28 +117,6 @@ def quantize_with_scales(
         return s
 
     return quantize_chunked(w, code_dtype, None, scale_chunk_, check_finite=False)
-
-
-def index_dtype(numel: int) -> torch.dtype:
-    """int32 indices where they reach every code, else int64."""
-    return torch.int32 if numel < 2**31 else torch.int64
-
-
-def diff_codes(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat indices, new codes) of the codes of `new` whose bits differ from `old`'s."""
-    a, b = old.reshape(-1).view(torch.uint8), new.reshape(-1).view(torch.uint8)
-    index = (a != b).nonzero().squeeze(1)
-    return index.to(index_dtype(b.numel())), b[index].view(new.dtype)
-
-
-def apply_delta_(codes: torch.Tensor, index: torch.Tensor, changed: torch.Tensor) -> None:
-    """Write the `changed` codes at the flat `index` positions of `codes` (contiguous), in place."""
-    flat = codes.view(-1).view(torch.uint8)
-    if index.numel() and not (0 <= int(index.min()) and int(index.max()) < flat.numel()):
-        raise WeightError(f"a delta index is outside the {flat.numel()} codes of the weight")
-    flat[index.to(device=flat.device, dtype=torch.int64)] = changed.to(flat.device).view(
-        torch.uint8
-    )
 
 
 @dataclass
@@ -263,7 +241,7 @@ class DeltaSender:
         counts["kept"] += int(kept.sum())
         metas = [TensorMeta(name, "codes", code, tuple(w.shape))]
         if old is not None:
-            index, changed = diff_codes(old.codes, codes)
+            index, changed = diff_values(old.codes, codes)
             counts["changed"] += index.numel()
             whole = codes.numel() * codes.element_size()
             metas = self._pairs(name, index, changed, "changed", whole, full) or metas

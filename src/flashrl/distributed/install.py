@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from flashrl.distributed.delta import Checksum, apply_delta_, checksum
+from flashrl.distributed.delta import Checksum, checksum
 from flashrl.distributed.dense_delta import apply_values_, widest
 from flashrl.distributed.transport import TensorMeta
 from flashrl.errors import WeightError
@@ -149,7 +149,7 @@ def apply_delta(
     for layer, start, end, shard in _targets(engine, name):
         if changed.dtype != layer.weight.dtype:
             raise WeightError(f"delta of {name!r} has {changed.dtype}; stored {layer.weight.dtype}")
-        apply_delta_(layer.weight[start:end], index, changed)
+        apply_values_(layer.weight[start:end], index, changed)
         _write_scale(layer, start, end, shard, scale)
 
 
