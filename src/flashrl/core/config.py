@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from flashrl.core.fields import check_fields, choice, setting
 from flashrl.errors import ConfigError
 from flashrl.fileio import atomic_write_text, check_input_file
 
@@ -114,49 +115,82 @@ def scheme_name(scheme: Any) -> str:
     return name.strip().lower()
 
 
-def _check_smooth(smooth: Any, quant: str) -> None:
-    if smooth is None:
-        return
-    if isinstance(smooth, bool) or not isinstance(smooth, int | float) or not 0 < smooth <= 1:
-        raise ConfigError(f"smooth={smooth!r} is invalid; allowed: a number in (0, 1], or null")
-    if quant == "bf16":
-        raise ConfigError(
-            "smooth needs a quantized scheme (quant='bf16' quantizes no activations); "
-            "set quant to int8, fp8, ... or drop smooth"
-        )
+def _check_smooth(smooth: Any) -> Any:
+    if smooth is None or (
+        not isinstance(smooth, bool) and isinstance(smooth, int | float) and 0 < smooth <= 1
+    ):
+        return smooth
+    raise ConfigError(f"smooth={smooth!r} is invalid; allowed: a number in (0, 1], or null")
+
+
+def _check_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"lm_head_fp32 must be true or false, got {value!r}")
+
+
+def _check_skip(skip: Any) -> tuple[str, ...]:
+    if isinstance(skip, str) or not isinstance(skip, (list, tuple)):
+        raise ConfigError(f"skip must be a list of module-name patterns, got {skip!r}")
+    for pattern in skip:
+        if not isinstance(pattern, str) or not pattern.strip():
+            raise ConfigError(
+                f"skip must be a list of non-empty module-name patterns, "
+                f"got {pattern!r} in {list(skip)!r}"
+            )
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as err:
+                raise ConfigError(
+                    f"skip pattern {pattern!r} is not a valid regular expression ({err})"
+                ) from None
+    return tuple(skip)
+
+
+def _check_kv_scale(value: Any) -> str | float:
+    allowed = f"{', '.join(KV_SCALE_MODES)} or a positive finite number"
+    if isinstance(value, str):
+        if value in KV_SCALE_MODES:
+            return value
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"kv_scale={value!r} is invalid; allowed: {allowed}") from None
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"kv_scale={value!r} is invalid; allowed: {allowed}")
+    return float(value)
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
     """How the rollout policy is quantized and how logprobs are returned."""
 
-    quant: str = "bf16"
+    quant: str = setting("bf16", check=scheme_name)
     """Weight scheme: one of `SCHEME_NAMES`."""
-    skip: tuple[str, ...] = DEFAULT_SKIP
+    skip: tuple[str, ...] = setting(DEFAULT_SKIP, check=_check_skip)
     """Linear layers kept in high precision (globs over module names, or ``re:`` regexes)."""
-    kv_cache_dtype: str = "bf16"
-    kv_scale: str | float = "calibrated"
+    kv_cache_dtype: str = choice("bf16", KV_CACHE_DTYPES)
+    kv_scale: str | float = setting("calibrated", check=_check_kv_scale)
     """FP8 KV scales: recalibrated after each weight update, computed per step, or a fixed float."""
-    lm_head_fp32: bool = False
-    logprobs_mode: str = "processed"
-    sync_rounding: str = "nearest"
+    lm_head_fp32: bool = setting(False, check=_check_bool)
+    logprobs_mode: str = choice("processed", LOGPROB_MODES)
+    sync_rounding: str = choice("nearest", SYNC_ROUNDINGS)
     """How synced weights are rounded to the rollout grid (bf16 values, int8 / fp8 codes):
     ``nearest``, or ``stochastic`` (unbiased, so updates below half a grid step survive on
     average; built-in engine only, not for MoE experts). See docs/real-model.md."""
-    smooth: float | None = None
+    smooth: float | None = setting(None, check=_check_smooth)
     """Online SmoothQuant exponent a in (0, 1], factors recomputed at every weight sync
     (`flashrl.quant.smoothing`); None: off. Built-in engine only, not for MoE models."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "quant", scheme_name(self.quant))
-        object.__setattr__(self, "skip", _check_skip(self.skip))
-        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        _check_choice("logprobs_mode", self.logprobs_mode, LOGPROB_MODES)
-        _check_choice("sync_rounding", self.sync_rounding, SYNC_ROUNDINGS)
-        object.__setattr__(self, "kv_scale", _check_kv_scale(self.kv_scale))
-        _check_smooth(self.smooth, self.quant)
-        if not isinstance(self.lm_head_fp32, bool):
-            raise ConfigError(f"lm_head_fp32 must be true or false, got {self.lm_head_fp32!r}")
+        check_fields(self, of=RolloutConfig)  # a subclass checks its own fields
+        if self.smooth is not None and self.quant == "bf16":
+            raise ConfigError(
+                "smooth needs a quantized scheme (quant='bf16' quantizes no activations); "
+                "set quant to int8, fp8, ... or drop smooth"
+            )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> RolloutConfig:
@@ -172,11 +206,8 @@ class RolloutConfig:
                 f"{source}: unknown key(s) {', '.join(map(str, unknown))}; "
                 f"allowed: {', '.join(allowed)}"
             )
-        kwargs = {
-            k: tuple(v) if k == "skip" and isinstance(v, list) else v for k, v in values.items()
-        }
         try:
-            return cls(**kwargs)
+            return cls(**values)
         except ConfigError as err:
             if source == "config":
                 raise
@@ -212,45 +243,6 @@ class RolloutConfig:
         comments = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
         text = comments + yaml.safe_dump(self.to_dict(), sort_keys=False)
         return atomic_write_text(path, text)
-
-
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if not isinstance(value, str) or value not in allowed:
-        raise ConfigError(f"{name}={value!r} is invalid; allowed: {', '.join(allowed)}")
-
-
-def _check_skip(skip: Any) -> tuple[str, ...]:
-    if isinstance(skip, str) or not isinstance(skip, (list, tuple)):
-        raise ConfigError(f"skip must be a list of module-name patterns, got {skip!r}")
-    for pattern in skip:
-        if not isinstance(pattern, str) or not pattern.strip():
-            raise ConfigError(
-                f"skip must be a list of non-empty module-name patterns, "
-                f"got {pattern!r} in {list(skip)!r}"
-            )
-        if pattern.startswith("re:"):
-            try:
-                re.compile(pattern[3:])
-            except re.error as err:
-                raise ConfigError(
-                    f"skip pattern {pattern!r} is not a valid regular expression ({err})"
-                ) from None
-    return tuple(skip)
-
-
-def _check_kv_scale(value: Any) -> str | float:
-    allowed = f"{', '.join(KV_SCALE_MODES)} or a positive finite number"
-    if isinstance(value, str):
-        if value in KV_SCALE_MODES:
-            return value
-        try:
-            value = float(value)
-        except ValueError:
-            raise ConfigError(f"kv_scale={value!r} is invalid; allowed: {allowed}") from None
-    number = not isinstance(value, bool) and isinstance(value, (int, float))
-    if not number or not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"kv_scale={value!r} is invalid; allowed: {allowed}")
-    return float(value)
 
 
 def resolve_config(
