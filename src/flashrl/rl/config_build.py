@@ -52,13 +52,10 @@ def layer_values(layer: Mapping[Any, Any], source: str, path: str | None = None)
     """One layer (nested or dotted names) as typed values under dotted names; an old name, an
     unknown key, or a field the layer sets twice (say ``algo.lr`` and ``algo: {lr}``) to different
     values is a ConfigError naming `path` (or `source`) and what to write instead."""
-    renamed = [str(key) for key, value in layer.items() if is_renamed(key, value)]
-    if renamed:
-        raise refuse(renamed, path or source)
     items: list[tuple[Any, Any, str]] = []  # (dotted key, value, the key as the layer spells it)
     for key, value in layer.items():
         items += _items(key, value, str(key), path or source)
-    renamed = [key for key, _, _ in items if key in RENAMED]
+    renamed = [str(key) for key, value, _ in items if is_renamed(key, value)]
     if renamed:
         raise refuse(renamed, path or source)
     types = {**field_types(), **_EXTRA_TYPES}
@@ -74,7 +71,7 @@ def layer_values(layer: Mapping[Any, Any], source: str, path: str | None = None)
 def _items(key: Any, value: Any, spelled: str, where: str) -> list[tuple[Any, Any, str]]:
     """(dotted key, value, spelling) of one entry, a group's mapping opened into its fields."""
     groups = group_classes()
-    if key not in groups:
+    if key not in groups or is_renamed(key, value):  # ``data: d.jsonl`` is flashrl 0.1's path
         return [(key, value, spelled)]
     if value is None:  # an empty group in YAML (``rollout:``)
         return []
