@@ -137,16 +137,6 @@ class RunConfig:
     e.g. 'bf16,int8,int8-notis,fp8' ('-notis' sets correction.weight none)."""
 
 
-GROUPS: dict[str, type] = {
-    "data": DataConfig,
-    "rollout": TrainRolloutConfig,
-    "correction": CorrectionConfig,
-    "algo": AlgoConfig,
-    "run": RunConfig,
-}
-"""The groups of `TrainConfig`, in order (`group_classes` adds the nested ones)."""
-
-
 @dataclass
 class TrainConfig:
     """Every setting of one training run (see the module doc for the groups)."""
@@ -227,10 +217,7 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The nested config as plain YAML / JSON data (tuples become lists)."""
-        out: dict[str, Any] = {"model": self.model}
-        for name in GROUPS:
-            out[name] = _plain(dataclasses.asdict(getattr(self, name)))
-        return out
+        return _plain(dataclasses.asdict(self))
 
     def flat_dict(self) -> dict[str, Any]:
         """``{"model": ..., "algo.lr": ..., ...}``: every field under its dotted name."""
@@ -286,51 +273,47 @@ def flatten(nested: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-@functools.cache
 def group_classes() -> dict[str, type]:
     """Every group of `TrainConfig` by dotted name, the nested ones after their parent:
     ``data``, ``rollout``, ``rollout.workers``, ... (a field whose type is a dataclass)."""
-    out: dict[str, type] = {}
-
-    def visit(name: str, cls: type) -> None:
-        out[name] = cls
-        hints = get_type_hints(cls)
-        for f in fields(cls):
-            if dataclasses.is_dataclass(hints[f.name]):
-                visit(f"{name}.{f.name}", hints[f.name])
-
-    for name, cls in GROUPS.items():
-        visit(name, cls)
-    return out
+    return _tree()[0]
 
 
 def field_names() -> list[str]:
     """Every dotted field name of `TrainConfig`, in order (nested groups: their fields)."""
-    return list(_leaf_fields())
+    return list(_tree()[1])
 
 
 def field_types() -> dict[str, Any]:
     """Dotted field name -> type hint, for every field that is not itself a group."""
-    return {name: hint for name, (_, hint) in _leaf_fields().items()}
+    return {name: hint for name, (_, hint) in _tree()[1].items()}
 
 
 @functools.cache
-def _leaf_fields() -> dict[str, tuple[dataclasses.Field, Any]]:
-    """Dotted name -> (field, type hint) of every field that is not itself a group."""
-    groups = group_classes()
-    out = {
-        "model": (TrainConfig.__dataclass_fields__["model"], get_type_hints(TrainConfig)["model"])
-    }
-    for group, cls in groups.items():
+def _tree() -> tuple[dict[str, type], dict[str, tuple[dataclasses.Field, Any]]]:
+    """The groups of `TrainConfig` (dotted name -> class) and its other fields (dotted name ->
+    (field, type hint)), in field order."""
+    groups: dict[str, type] = {}
+    leaves: dict[str, tuple[dataclasses.Field, Any]] = {}
+
+    def visit(prefix: str, cls: type) -> None:
         hints = get_type_hints(cls)
         for f in fields(cls):
-            if f"{group}.{f.name}" not in groups:
-                out[f"{group}.{f.name}"] = (f, hints[f.name])
-    return out
+            name, hint = prefix + f.name, hints[f.name]
+            if dataclasses.is_dataclass(hint):
+                groups[name] = hint
+                visit(name + ".", hint)
+            else:
+                leaves[name] = (f, hint)
+
+    visit("", TrainConfig)
+    return groups, leaves
 
 
+GROUPS = {name: cls for name, cls in group_classes().items() if "." not in name}
+"""The groups of `TrainConfig`, in order (`group_classes` adds the nested ones)."""
 RESUME_FREE_FIELDS = tuple(
-    name for name, (f, _) in _leaf_fields().items() if f.metadata.get("resume_free")
+    name for name, (f, _) in _tree()[1].items() if f.metadata.get("resume_free")
 )
 """Fields a resumed run may change freely (length, learning rate, outputs, machine layout): those
 declared with ``resume_free=True``. Every other field must match the checkpoint's config unless
