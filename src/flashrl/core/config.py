@@ -74,10 +74,13 @@ def _where(first: yaml.Mark, second: yaml.Mark) -> str:
     return f"line {first.line + 1} (columns {first.column + 1} and {second.column + 1})"
 
 
-def read_yaml(path: str | Path, what: str = "config file") -> Any:
-    """The content of a YAML file, parsed with a `yaml.SafeLoader` (tags that build Python objects
-    are refused, never run) that also refuses a key repeated in one mapping. Every error is a
-    one-line `ConfigError` naming the file (`what` says which file it is)."""
+def read_yaml(
+    path: str | Path, what: str = "config file", keys: str = "config keys"
+) -> dict[Any, Any]:
+    """The mapping of `keys` a YAML file holds (an empty file: {}), parsed with a `yaml.SafeLoader`
+    (tags that build Python objects are refused, never run) that also refuses a key repeated in
+    one mapping. Every error is a one-line `ConfigError` naming the file (`what` says which file
+    it is)."""
     path = check_input_file(path, what, "a YAML file", ConfigError, ConfigFileNotFoundError)
     try:
         raw = path.read_bytes()
@@ -88,11 +91,14 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not valid YAML (not UTF-8 text: byte {err.start})") from None
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no tag runs code
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no tag runs code
     except DuplicateKeyError as err:
         raise ConfigError(f"{path}: {err.problem}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({yaml_problem(err)})") from None
+    if not isinstance(data, dict | None):
+        raise ConfigError(f"{path}: expected a mapping of {keys}, got {type(data).__name__}")
+    return data or {}
 
 
 def yaml_problem(err: yaml.YAMLError) -> str:
@@ -218,10 +224,6 @@ class RolloutConfig:
         """Read a YAML file of config keys (top level, or under a ``rollout:`` key)."""
         path = Path(path)
         data = read_yaml(path)
-        data = {} if data is None else data
-        if not isinstance(data, dict):
-            kind = type(data).__name__
-            raise ConfigError(f"{path}: expected a mapping of config keys, got {kind}")
         if "rollout" in data:
             if set(data) != {"rollout"}:
                 extra = ", ".join(sorted(map(str, set(data) - {"rollout"})))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from flashrl.core.config import read_yaml, resolve_config
@@ -35,17 +34,6 @@ from flashrl.rl.values import coerce
 ROLLOUT_FILE = "rollout.file"
 _EXTRA_TYPES = {ROLLOUT_FILE: str | None}
 _CORRECTION_STRINGS = ("correction.band", "correction.rejection", "correction.rejection_thresholds")
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML file of TrainConfig fields (`yaml.safe_load`: nothing in it can run code)."""
-    data = read_yaml(path)
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"{path}: expected a mapping of TrainConfig fields, got {type(data).__name__}"
-        )
-    return data
 
 
 def layer_values(layer: Mapping[Any, Any], source: str, path: str | None = None) -> dict[str, Any]:
@@ -170,7 +158,11 @@ def build_config(
     values = layer_values(PRESETS[preset], f"preset {preset}") if preset else {}
     explicit: set[str] = set()
     layers = (
-        ("YAML", str(yaml_path), load_yaml(yaml_path) if yaml_path else {}),
+        (
+            "YAML",
+            str(yaml_path),
+            read_yaml(yaml_path, keys="TrainConfig fields") if yaml_path else {},
+        ),
         ("overrides", None, overrides),
     )
     for source, path, layer in layers:
