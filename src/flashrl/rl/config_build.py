@@ -4,9 +4,9 @@ Every layer is a mapping in one of two spellings, both read the same way: nested
 file (``algo: {lr: 0.001}``, ``rollout: {workers: {count: 2}}``) or dotted like the flags
 (``algo.lr``, ``rollout.workers.count``). An old name (flashrl 0.1's ``lr``, ``tis_cap``; a rollout
 setting of the run group, ``run.backend``) is a ConfigError naming its new name
-(`flashrl.rl.renamed`). Values are
-converted to the field's type (`flashrl.rl.values.coerce`); the correction group is parsed by
-`CorrectionConfig.from_dict` (it takes verl-style strings such as ``"0.5_5.0"``).
+(`flashrl.rl.renamed`). Values are converted to the field's type (`flashrl.rl.values.coerce`);
+the correction group is parsed by `CorrectionConfig.from_dict` (it takes verl-style strings such
+as ``"0.5_5.0"``).
 
 ``rollout.file`` names a rollout config (a ``flashrl.yaml`` from `flashrl setup`, or a scheme
 name): it is the base of the core `RolloutConfig` fields of the rollout group, and those set in
@@ -157,15 +157,11 @@ def build_config(
         raise ConfigError(f"unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
     values = layer_values(PRESETS[preset], f"preset {preset}") if preset else {}
     explicit: set[str] = set()
-    layers = (
-        (
-            "YAML",
-            str(yaml_path),
-            read_yaml(yaml_path, keys="TrainConfig fields") if yaml_path else {},
-        ),
+    yaml_layer = read_yaml(yaml_path, keys="TrainConfig fields") if yaml_path else {}
+    for source, path, layer in (
+        ("YAML", str(yaml_path), yaml_layer),
         ("overrides", None, overrides),
-    )
-    for source, path, layer in layers:
+    ):
         typed = layer_values(layer, source, path)
         values.update(typed)
         explicit |= set(typed)
@@ -178,8 +174,7 @@ def stored_values(stored: Mapping[str, Any], source: str = "checkpoint") -> dict
     alike; else the values as stored. A config in old names (flashrl 0.1's flat ones, or rollout
     settings stored under ``run``) is a CheckpointError: it is not translated, and a comparison
     under new names would find no field to compare."""
-    renamed = [str(key) for key, value in stored.items() if is_renamed(key, value)]
-    renamed += [key for key in flatten(dict(stored)) if key in RENAMED and "." in key]
+    renamed = [str(key) for key, value in flatten(dict(stored)).items() if is_renamed(key, value)]
     if renamed:
         moved = ", ".join(f"{name} (now {RENAMED[name]})" for name in renamed)
         raise CheckpointError(
