@@ -33,7 +33,6 @@ class DataConfig:
     """Wrap prompts in the model's chat template when it has one."""
     system_prompt: str | None = None
     reward: str = choice("exact_match", REWARDS)
-    """A name of `flashrl.rl.rewards.REWARDS`."""
     task_max_operand: int = 99
     """Largest operand of the built-in arithmetic task."""
     task_min_operand: int = 0
