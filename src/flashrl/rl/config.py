@@ -35,7 +35,7 @@ from flashrl.errors import ConfigError
 from flashrl.fileio import atomic_write_text
 from flashrl.rl.algo import ADVANTAGES
 from flashrl.rl.compare import compare_variants
-from flashrl.rl.config_checks import check_algo, check_workers
+from flashrl.rl.config_checks import check_relations
 from flashrl.rl.config_rollout import TrainRolloutConfig
 from flashrl.rl.data import DataConfig, prompt_source
 from flashrl.rl.policy_loss import POLICY_LOSSES
@@ -158,36 +158,12 @@ class TrainConfig:
         themselves when built), then what the fields need of each other."""
         for group in ("data", "algo", "run"):
             check_fields(getattr(self, group), f"{group}.")
-        self._check_batch()
         if self.data.path is None:  # the built-in task's operands and template, before any work
             prompt_source(self.data, self.run.seed)
-        check_algo(self.algo)
-        if self.correction.mode == "bypass" and self.algo.mini_batches > 1:
-            raise ConfigError(
-                "correction.mode='bypass' takes the PPO ratio against the rollout "
-                "policy; use algo.mini_batches=1"
-            )
-        check_workers(self)
+        check_relations(self)
         self.resume_allowed()
         if self.run.compare:
             compare_variants(self.run.compare)
-
-    def _check_batch(self) -> None:
-        a = self.algo
-        if a.batch_size % a.group_size:
-            raise ConfigError(
-                f"algo.batch_size={a.batch_size} is not divisible by "
-                f"algo.group_size={a.group_size}; batch_size counts sequences "
-                f"(prompts per step x group_size)"
-            )
-        mini = a.batch_size // a.mini_batches
-        if mini * a.mini_batches != a.batch_size or mini % a.group_size:
-            raise ConfigError(
-                f"algo.batch_size={a.batch_size} must split into "
-                f"algo.mini_batches={a.mini_batches} whole groups of {a.group_size}"
-            )
-        if a.group_size < 2 and a.advantage != "drgrpo":
-            raise ConfigError(f"algo.advantage={a.advantage!r} needs algo.group_size >= 2")
 
     def resume_allowed(self) -> set[str] | None:
         """Dotted fields `run.resume_allow_changes` lets differ from the checkpoint's config (None:

@@ -8,7 +8,37 @@ from typing import Any
 from flashrl.errors import ConfigError
 
 
-def check_algo(a: Any) -> None:
+def check_relations(config: Any) -> None:
+    """Raise a ConfigError naming the fields of the first need that is not met."""
+    _check_batch(config.algo)
+    _check_algo(config.algo)
+    if config.correction.mode == "bypass" and config.algo.mini_batches > 1:
+        raise ConfigError(
+            "correction.mode='bypass' takes the PPO ratio against the rollout "
+            "policy; use algo.mini_batches=1"
+        )
+    _check_workers(config)
+
+
+def _check_batch(a: Any) -> None:
+    """A batch is whole groups, and so is each mini-batch."""
+    if a.batch_size % a.group_size:
+        raise ConfigError(
+            f"algo.batch_size={a.batch_size} is not divisible by "
+            f"algo.group_size={a.group_size}; batch_size counts sequences "
+            f"(prompts per step x group_size)"
+        )
+    mini = a.batch_size // a.mini_batches
+    if mini * a.mini_batches != a.batch_size or mini % a.group_size:
+        raise ConfigError(
+            f"algo.batch_size={a.batch_size} must split into "
+            f"algo.mini_batches={a.mini_batches} whole groups of {a.group_size}"
+        )
+    if a.group_size < 2 and a.advantage != "drgrpo":
+        raise ConfigError(f"algo.advantage={a.advantage!r} needs algo.group_size >= 2")
+
+
+def _check_algo(a: Any) -> None:
     """The overlong penalty starts inside the response; GSPO aggregates per sequence (as verl
     forces) and has no dual clip."""
     if 0 < a.max_response_tokens <= a.overlong_buffer:
@@ -29,7 +59,7 @@ def check_algo(a: Any) -> None:
         raise ConfigError(f"algo.dual_clip={a.dual_clip!r} does not apply to gspo; leave it unset")
 
 
-def check_workers(config: Any) -> None:
+def _check_workers(config: Any) -> None:
     """What needs the built-in engine in the trainer's process (the rollout group checks its own
     fields, `flashrl.rl.config_rollout`)."""
     r = config.rollout
