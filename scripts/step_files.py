@@ -11,7 +11,10 @@ package that was imported; C functions such as torch ops are not Python frames a
 - functions: distinct (file, first line, name) code objects called;
 - returns: `return` events of flashrl functions (every call that returned, loops included).
 
-    python scripts/step_files.py [--files] [--step 1]
+    python scripts/step_files.py [--files] [--step 1] [--with-setup]
+
+`--with-setup` traces config building, the `Trainer` constructor and the first step together
+(imports done before tracing starts still do not count).
 
 Run it with the checkout's `src` first on PYTHONPATH to measure that checkout.
 """
@@ -32,8 +35,8 @@ from flashrl.rl.trainer import Trainer
 PACKAGE = Path(flashrl.__file__).resolve().parent
 
 
-def trace_step(trainer: Trainer) -> tuple[Counter, set, int]:
-    """Calls per file, the distinct functions and the number of returns of one `train_step`."""
+def trace(run) -> tuple[Counter, set, int]:
+    """Calls per file, the distinct functions and the number of returns while `run()` runs."""
     calls: Counter = Counter()
     functions: set = set()
     returns = 0
@@ -52,7 +55,7 @@ def trace_step(trainer: Trainer) -> tuple[Counter, set, int]:
 
     sys.setprofile(profile)
     try:
-        trainer.train_step()
+        run()
     finally:
         sys.setprofile(None)
     return calls, functions, returns
@@ -62,16 +65,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step", type=int, default=1, help="which step to trace (0 = the first)")
     parser.add_argument("--files", action="store_true", help="list the files with their calls")
+    parser.add_argument(
+        "--with-setup",
+        action="store_true",
+        help="trace from build_config through the Trainer's set-up and the first step instead",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         overrides = {"run.output_dir": tmp, "run.steps": args.step + 1, "run.plot": False}
-        trainer = Trainer(build_config("tiny-cpu", None, overrides))
-        for _ in range(args.step):
-            trainer.train_step()
-        calls, functions, returns = trace_step(trainer)
-        trainer.close()
+        if args.with_setup:
+            made: list[Trainer] = []
+
+            def run() -> None:
+                made.append(Trainer(build_config("tiny-cpu", None, overrides)))
+                made[0].train_step()
+
+            calls, functions, returns = trace(run)
+            made[0].close()
+            what = "build_config + Trainer() + step 0"
+        else:
+            trainer = Trainer(build_config("tiny-cpu", None, overrides))
+            for _ in range(args.step):
+                trainer.train_step()
+            calls, functions, returns = trace(trainer.train_step)
+            trainer.close()
+            what = f"step {args.step}"
     print(f"package: {PACKAGE}")
-    print(f"step {args.step}: {len(calls)} files, {len(functions)} functions, {returns} returns")
+    print(f"{what}: {len(calls)} files, {len(functions)} functions, {returns} returns")
     if args.files:
         for path, n in sorted(calls.items()):
             print(f"  {n:8d}  {Path(path).relative_to(PACKAGE)}")
