@@ -20,7 +20,7 @@ Ray with `rollout.workers.count`, docs/distributed.md):
 7. Weight sync: the trainer's parameters stream by name into the backend (or are broadcast to the
    workers), which re-quantizes in place with fresh scales. Each phase's time is logged.
 
-Each phase is a function or small object in `flashrl.rl.phases` (2: generate, 3: score,
+Each phase is a function or small object in `flashrl.rl.phases` (1-2: generate, 3: score,
 4-6: update, 7: sync, then record), called in order by `Trainer.train_step`; this module keeps
 set-up, the loop and checkpoints.
 
