@@ -434,10 +434,13 @@ def test_cli_reports_bad_variables(flashrl_logger, monkeypatch, capsys, tmp_path
 
 
 @pytest.mark.parametrize("scheme", ["int8_g128", "int8_g64"])
-def test_vllm_backend_refuses_group_int8(scheme):
-    """The per-group int8 schemes run in the built-in engine only: the vLLM backend says so by name
-    instead of failing on a missing quantization method."""
+def test_vllm_backend_names_group_int8(scheme):
+    """The per-group int8 schemes have their own vLLM quantization method; online smoothing (the
+    other low-mismatch lever) is still refused by name."""
     from flashrl.vllm_backend.config import engine_kwargs
+    from flashrl.vllm_backend.names import METHOD_NAMES
 
-    with pytest.raises(ValueError, match=f"quant='{scheme}' is not supported by the vLLM backend"):
-        engine_kwargs(RolloutConfig(quant=scheme))
+    assert engine_kwargs(RolloutConfig(quant=scheme))["quantization"] == f"flashrl_{scheme}"
+    assert METHOD_NAMES[scheme] == f"flashrl_{scheme}"
+    with pytest.raises(ValueError, match="smooth=0.5 is not supported by the vLLM backend"):
+        engine_kwargs(RolloutConfig(quant=scheme, smooth=0.5))

@@ -431,7 +431,9 @@ def test_prefill_token_budget_splits_forwards_not_results(scheme, tiny_models, g
 
 def test_prefill_token_budget_validation(tiny_models):
     for bad in (0, -3, 1.5, True, "16"):
-        with pytest.raises(ValueError, match="max_prefill_tokens=.* must be a positive int"):
+        with pytest.raises(
+            ValueError, match="max_prefill_tokens=.* is invalid; allowed: an integer >= 1"
+        ):
             engine(tiny_models("qwen2"), max_prefill_tokens=bad)
 
 

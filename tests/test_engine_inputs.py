@@ -370,9 +370,12 @@ def test_device_that_is_not_there(tiny_models):
         (dict(max_batch=0), r"max_batch=0 is invalid; allowed: an integer >= 1"),
         (dict(max_batch="4"), r"max_batch='4' is invalid"),
         (dict(max_batch=2, kv_cache_memory=2**20), r"give max_batch or kv_cache_memory, not both"),
-        (dict(kv_cache_memory=-1), r"kv_cache_memory=-1 must be a positive number of bytes"),
+        (
+            dict(kv_cache_memory=-1),
+            r"kv_cache_memory=-1 is out of range; allowed: a number of bytes >= 1",
+        ),
         (dict(dtype="int8"), r"dtype 'int8' is invalid; allowed: bf16"),
-        (dict(max_prefill_tokens=0), r"max_prefill_tokens=0 must be a positive int"),
+        (dict(max_prefill_tokens=0), r"max_prefill_tokens=0 is invalid; allowed: an integer >= 1"),
         (dict(kv_scale_granularity="head"), r"kv_scale_granularity apply to kv_cache_dtype='fp8'"),
         (
             dict(kv_cache_dtype="fp8", kv_scale="dynamic", kv_scale_granularity="head"),

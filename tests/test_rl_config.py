@@ -294,7 +294,7 @@ def test_resume_allow_changes_takes_groups_and_refuses_old_names():
 
 
 def test_validation_names_the_dotted_field():
-    with pytest.raises(ConfigError, match="run.keep_last=0 must be a positive integer"):
+    with pytest.raises(ConfigError, match="run.keep_last=0 is invalid; allowed: an integer >= 1"):
         build_config(None, None, {"run.keep_last": 0})
     with pytest.raises(ConfigError, match="correction.mode='bypass'.*algo.mini_batches=1"):
         build_config(

@@ -166,7 +166,7 @@ def test_engines_read_only_the_core_rollout_config():
     "values, match",
     [
         ({"rollout.dtype": "fp8"}, r"rollout.dtype='fp8' is invalid; allowed: bf16, fp16, fp32"),
-        ({"rollout.max_batch": 0}, r"rollout.max_batch=0 must be a positive integer"),
+        ({"rollout.max_batch": 0}, r"rollout.max_batch=0 is invalid; allowed: an integer >= 1"),
         ({"rollout.kv_cache_dtype": "int4"}, r"^rollout: kv_cache_dtype='int4' is invalid"),
         (
             {"rollout.backend_kwargs": "[1]"},

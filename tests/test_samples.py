@@ -238,7 +238,9 @@ def test_no_samples_file_when_samples_per_step_is_zero(tmp_path):
 
 
 def test_sample_and_weight_change_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match=r"run.samples_per_step=-1 must be an integer >= 0"):
+    with pytest.raises(
+        ConfigError, match=r"run.samples_per_step=-1 is invalid; allowed: an integer >= 0"
+    ):
         tiny(tmp_path, **{"run.samples_per_step": -1})
     with pytest.raises(ConfigError, match="run.log_weight_changes needs the built-in engine"):
         tiny(tmp_path, **{"rollout.workers.count": 1})

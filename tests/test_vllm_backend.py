@@ -29,7 +29,7 @@ from flashrl.vllm_backend.kernels import kernel_name  # noqa: E402
 from flashrl.vllm_backend.testing import load_state_dict, save_perturbed_copy, save_tiny_vllm_model  # noqa: E402
 from flashrl.vllm_backend.weight_sync import check_fused_complete  # noqa: E402
 
-SCHEMES = ("bf16", "int8", "fp8", "fp8_channel", "fp8_block")
+SCHEMES = ("bf16", "int8", "fp8", "fp8_channel", "fp8_block", "int8_g64")
 QUANT_SCHEMES = SCHEMES[1:]
 PROMPTS = ["Hello world", "The quick brown fox", "1+1=", "abc"]
 LLM_ARGS = dict(dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0, max_num_seqs=16)

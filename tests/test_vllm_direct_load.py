@@ -32,7 +32,7 @@ from flashrl.vllm_backend import engine_kwargs  # noqa: E402
 from flashrl.vllm_backend.direct_load import load_stats  # noqa: E402
 from flashrl.vllm_backend.testing import load_state_dict, save_perturbed_copy, save_tiny_vllm_model  # noqa: E402
 
-QUANT_SCHEMES = ("int8", "fp8", "fp8_channel", "fp8_block")
+QUANT_SCHEMES = ("int8", "fp8", "fp8_channel", "fp8_block", "int8_g64")
 PROMPTS = ["Hello world", "The quick brown fox", "1+1="]
 LLM_ARGS = dict(dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0, max_num_seqs=8)
 

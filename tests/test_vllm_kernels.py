@@ -106,7 +106,7 @@ def test_int8_runs_vllms_kernel_and_equals_a_prequantized_checkpoint(
     assert codes["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.int8
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8_channel", "fp8_block"])
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8_channel", "fp8_block", "int8_g64"])
 def test_every_scheme_forward_is_quantlinear_up_to_rounding(base, scheme, caplog, monkeypatch):
     monkeypatch.setattr(kernels, "_logged", set())
     with caplog.at_level(logging.INFO, logger="flashrl"):

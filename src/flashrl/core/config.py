@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from flashrl.core.fields import check_fields, choice, setting
 from flashrl.errors import ConfigError
 from flashrl.fileio import atomic_write_text, check_input_file
 
@@ -73,10 +74,13 @@ def _where(first: yaml.Mark, second: yaml.Mark) -> str:
     return f"line {first.line + 1} (columns {first.column + 1} and {second.column + 1})"
 
 
-def read_yaml(path: str | Path, what: str = "config file") -> Any:
-    """The content of a YAML file, parsed with a `yaml.SafeLoader` (tags that build Python objects
-    are refused, never run) that also refuses a key repeated in one mapping. Every error is a
-    one-line `ConfigError` naming the file (`what` says which file it is)."""
+def read_yaml(
+    path: str | Path, what: str = "config file", keys: str = "config keys"
+) -> dict[Any, Any]:
+    """The mapping of `keys` a YAML file holds (an empty file: {}), parsed with a `yaml.SafeLoader`
+    (tags that build Python objects are refused, never run) that also refuses a key repeated in
+    one mapping. Every error is a one-line `ConfigError` naming the file (`what` says which file
+    it is)."""
     path = check_input_file(path, what, "a YAML file", ConfigError, ConfigFileNotFoundError)
     try:
         raw = path.read_bytes()
@@ -87,11 +91,14 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not valid YAML (not UTF-8 text: byte {err.start})") from None
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no tag runs code
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no tag runs code
     except DuplicateKeyError as err:
         raise ConfigError(f"{path}: {err.problem}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({yaml_problem(err)})") from None
+    if not isinstance(data, dict | None):
+        raise ConfigError(f"{path}: expected a mapping of {keys}, got {type(data).__name__}")
+    return data or {}
 
 
 def yaml_problem(err: yaml.YAMLError) -> str:
@@ -114,109 +121,18 @@ def scheme_name(scheme: Any) -> str:
     return name.strip().lower()
 
 
-def _check_smooth(smooth: Any, quant: str) -> None:
-    if smooth is None:
-        return
-    if isinstance(smooth, bool) or not isinstance(smooth, int | float) or not 0 < smooth <= 1:
-        raise ConfigError(f"smooth={smooth!r} is invalid; allowed: a number in (0, 1], or null")
-    if quant == "bf16":
-        raise ConfigError(
-            "smooth needs a quantized scheme (quant='bf16' quantizes no activations); "
-            "set quant to int8, fp8, ... or drop smooth"
-        )
+def _check_smooth(smooth: Any) -> Any:
+    if smooth is None or (
+        not isinstance(smooth, bool) and isinstance(smooth, int | float) and 0 < smooth <= 1
+    ):
+        return smooth
+    raise ConfigError(f"smooth={smooth!r} is invalid; allowed: a number in (0, 1], or null")
 
 
-@dataclass(frozen=True)
-class RolloutConfig:
-    """How the rollout policy is quantized and how logprobs are returned."""
-
-    quant: str = "bf16"
-    """Weight scheme: one of `SCHEME_NAMES`."""
-    skip: tuple[str, ...] = DEFAULT_SKIP
-    """Linear layers kept in high precision (globs over module names, or ``re:`` regexes)."""
-    kv_cache_dtype: str = "bf16"
-    kv_scale: str | float = "calibrated"
-    """FP8 KV scales: recalibrated after each weight update, computed per step, or a fixed float."""
-    lm_head_fp32: bool = False
-    logprobs_mode: str = "processed"
-    sync_rounding: str = "nearest"
-    """How synced weights are rounded to the rollout grid (bf16 values, int8 / fp8 codes):
-    ``nearest``, or ``stochastic`` (unbiased, so updates below half a grid step survive on
-    average; built-in engine only, not for MoE experts). See docs/real-model.md."""
-    smooth: float | None = None
-    """Online SmoothQuant exponent a in (0, 1], factors recomputed at every weight sync
-    (`flashrl.quant.smoothing`); None: off. Built-in engine only, not for MoE models."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "quant", scheme_name(self.quant))
-        object.__setattr__(self, "skip", _check_skip(self.skip))
-        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        _check_choice("logprobs_mode", self.logprobs_mode, LOGPROB_MODES)
-        _check_choice("sync_rounding", self.sync_rounding, SYNC_ROUNDINGS)
-        object.__setattr__(self, "kv_scale", _check_kv_scale(self.kv_scale))
-        _check_smooth(self.smooth, self.quant)
-        if not isinstance(self.lm_head_fp32, bool):
-            raise ConfigError(f"lm_head_fp32 must be true or false, got {self.lm_head_fp32!r}")
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> RolloutConfig:
-        """Build from a mapping of field values; unknown keys raise, naming `source` and the
-        allowed keys."""
-        if not isinstance(values, Mapping):
-            kind = type(values).__name__
-            raise ConfigError(f"{source}: expected a mapping of config keys, got {kind}")
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(values) - set(allowed), key=str)
-        if unknown:
-            raise ConfigError(
-                f"{source}: unknown key(s) {', '.join(map(str, unknown))}; "
-                f"allowed: {', '.join(allowed)}"
-            )
-        kwargs = {
-            k: tuple(v) if k == "skip" and isinstance(v, list) else v for k, v in values.items()
-        }
-        try:
-            return cls(**kwargs)
-        except ConfigError as err:
-            if source == "config":
-                raise
-            raise ConfigError(f"{source}: {err}") from None
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> RolloutConfig:
-        """Read a YAML file of config keys (top level, or under a ``rollout:`` key)."""
-        path = Path(path)
-        data = read_yaml(path)
-        data = {} if data is None else data
-        if not isinstance(data, dict):
-            kind = type(data).__name__
-            raise ConfigError(f"{path}: expected a mapping of config keys, got {kind}")
-        if "rollout" in data:
-            if set(data) != {"rollout"}:
-                extra = ", ".join(sorted(map(str, set(data) - {"rollout"})))
-                raise ConfigError(
-                    f"{path}: keys {extra} next to 'rollout:'; "
-                    "put every config key under 'rollout:'"
-                )
-            return cls.from_dict(data["rollout"] or {}, source=f"{path} (rollout)")
-        return cls.from_dict(data, source=str(path))
-
-    def to_dict(self) -> dict[str, Any]:
-        values = asdict(self)
-        values["skip"] = list(self.skip)
-        return values
-
-    def to_yaml(self, path: str | Path, header: str = "") -> Path:
-        """Write the config as YAML, preceded by `header` as ``#`` comment lines; `from_yaml` reads
-        it back."""
-        comments = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
-        text = comments + yaml.safe_dump(self.to_dict(), sort_keys=False)
-        return atomic_write_text(path, text)
-
-
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if not isinstance(value, str) or value not in allowed:
-        raise ConfigError(f"{name}={value!r} is invalid; allowed: {', '.join(allowed)}")
+def _check_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"lm_head_fp32 must be true or false, got {value!r}")
 
 
 def _check_skip(skip: Any) -> tuple[str, ...]:
@@ -251,6 +167,84 @@ def _check_kv_scale(value: Any) -> str | float:
     if not number or not (math.isfinite(value) and value > 0):
         raise ConfigError(f"kv_scale={value!r} is invalid; allowed: {allowed}")
     return float(value)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How the rollout policy is quantized and how logprobs are returned."""
+
+    quant: str = setting("bf16", check=scheme_name)
+    """Weight scheme: one of `SCHEME_NAMES`."""
+    skip: tuple[str, ...] = setting(DEFAULT_SKIP, check=_check_skip)
+    """Linear layers kept in high precision (globs over module names, or ``re:`` regexes)."""
+    kv_cache_dtype: str = choice("bf16", KV_CACHE_DTYPES)
+    kv_scale: str | float = setting("calibrated", check=_check_kv_scale)
+    """FP8 KV scales: recalibrated after each weight update, computed per step, or a fixed float."""
+    lm_head_fp32: bool = setting(False, check=_check_bool)
+    logprobs_mode: str = choice("processed", LOGPROB_MODES)
+    sync_rounding: str = choice("nearest", SYNC_ROUNDINGS)
+    """How synced weights are rounded to the rollout grid (bf16 values, int8 / fp8 codes):
+    ``nearest``, or ``stochastic`` (unbiased, so updates below half a grid step survive on
+    average; built-in engine only, not for MoE experts). See docs/real-model.md."""
+    smooth: float | None = setting(None, check=_check_smooth)
+    """Online SmoothQuant exponent a in (0, 1], factors recomputed at every weight sync
+    (`flashrl.quant.smoothing`); None: off. Built-in engine only, not for MoE models."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, of=RolloutConfig)  # a subclass checks its own fields
+        if self.smooth is not None and self.quant == "bf16":
+            raise ConfigError(
+                "smooth needs a quantized scheme (quant='bf16' quantizes no activations); "
+                "set quant to int8, fp8, ... or drop smooth"
+            )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> RolloutConfig:
+        """Build from a mapping of field values; unknown keys raise, naming `source` and the
+        allowed keys."""
+        if not isinstance(values, Mapping):
+            kind = type(values).__name__
+            raise ConfigError(f"{source}: expected a mapping of config keys, got {kind}")
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(allowed), key=str)
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown key(s) {', '.join(map(str, unknown))}; "
+                f"allowed: {', '.join(allowed)}"
+            )
+        try:
+            return cls(**values)
+        except ConfigError as err:
+            if source == "config":
+                raise
+            raise ConfigError(f"{source}: {err}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> RolloutConfig:
+        """Read a YAML file of config keys (top level, or under a ``rollout:`` key)."""
+        path = Path(path)
+        data = read_yaml(path)
+        if "rollout" in data:
+            if set(data) != {"rollout"}:
+                extra = ", ".join(sorted(map(str, set(data) - {"rollout"})))
+                raise ConfigError(
+                    f"{path}: keys {extra} next to 'rollout:'; "
+                    "put every config key under 'rollout:'"
+                )
+            return cls.from_dict(data["rollout"] or {}, source=f"{path} (rollout)")
+        return cls.from_dict(data, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        values = asdict(self)
+        values["skip"] = list(self.skip)
+        return values
+
+    def to_yaml(self, path: str | Path, header: str = "") -> Path:
+        """Write the config as YAML, preceded by `header` as ``#`` comment lines; `from_yaml` reads
+        it back."""
+        comments = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
+        text = comments + yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return atomic_write_text(path, text)
 
 
 def resolve_config(

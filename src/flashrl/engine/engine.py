@@ -74,8 +74,6 @@ class Engine:
             if rollout_config is not None
             else from_env()
         )
-        if rollout_overrides.get("skip") is not None:
-            rollout_overrides["skip"] = tuple(rollout_overrides["skip"])
         opts = EngineOptions.resolve(
             self.model_dir, self.model_config, config or RolloutConfig(), rollout_overrides, engine
         )

@@ -17,6 +17,7 @@ import torch
 
 from flashrl.core.config import RolloutConfig
 from flashrl.core.device import resolve_device, resolve_dtype
+from flashrl.core.fields import check_fields, integer, number
 from flashrl.engine.kv_cache import KVCache
 from flashrl.errors import ConfigError
 from flashrl.model.config import ModelConfig
@@ -45,13 +46,13 @@ class EngineConfig:
     """``cpu``, ``cuda`` or ``cuda:N``; default: CUDA when available."""
     dtype: str | torch.dtype | None = None
     """Activation dtype (bf16, fp16, fp32); default bf16."""
-    max_batch: int | None = None
+    max_batch: int | None = integer(None)
     """Sequences the KV cache holds at once (default 64)."""
     max_len: int | None = None
     """Tokens per sequence, prompt + response (default min(4096, max_position_embeddings))."""
-    kv_cache_memory: int | None = None
+    kv_cache_memory: int | None = number(None, at_least=1, unit="a number of bytes")
     """Bytes of KV cache; `max_batch` then follows from it (give one of the two)."""
-    max_prefill_tokens: int | None = None
+    max_prefill_tokens: int | None = integer(None, note="padded prompt tokens per prefill forward")
     """Padded prompt tokens per prefill forward (default 16384); more prompts take more forwards."""
     kv_scale_granularity: str | None = None
     """Static fp8 KV scales per ``layer`` (default) or per kv ``head``."""
@@ -65,6 +66,9 @@ class EngineConfig:
     """Show a progress bar on long `generate` calls."""
     load_weights: bool = True
     """False leaves the weights uninitialised (see `Engine.init_random_weights_`)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     @classmethod
     def split_overrides(
@@ -90,10 +94,6 @@ class EngineConfig:
         return dataclasses.replace(base or cls(), **engine), rollout
 
 
-def _positive_int(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
-
-
 @dataclass(frozen=True)
 class EngineOptions:
     """What an `Engine` runs with, resolved from its keyword arguments."""
@@ -116,48 +116,30 @@ class EngineOptions:
         overrides: dict[str, Any],
         engine: EngineConfig,
     ) -> EngineOptions:
-        """Apply the non-None `overrides` (fields of `config`) and check every size."""
-        kv_scale_granularity, device, dtype = (
-            engine.kv_scale_granularity,
-            engine.device,
-            engine.dtype,
-        )
-        max_batch, max_len, kv_cache_memory = (
-            engine.max_batch,
-            engine.max_len,
-            engine.kv_cache_memory,
-        )
-        max_prefill_tokens = engine.max_prefill_tokens
+        """Apply the non-None `overrides` (fields of `config`), fill in the defaults and check
+        the sizes against the model (`engine` checked its own fields when built)."""
         given = {k: v for k, v in overrides.items() if v is not None}
         if given:
             config = RolloutConfig.from_dict({**config.to_dict(), **given})
         granularity = scale_granularity(
-            config.kv_cache_dtype, config.kv_scale, "kv_scale" in given, kv_scale_granularity
+            config.kv_cache_dtype, config.kv_scale, "kv_scale" in given, engine.kv_scale_granularity
         )
-        device, dtype = resolve_device(device), resolve_dtype(dtype)
-        max_len = _check_max_len(max_len, model_config, model_dir)
-        if kv_cache_memory is not None:
-            if max_batch is not None:
+        device, dtype = resolve_device(engine.device), resolve_dtype(engine.dtype)
+        max_len = _check_max_len(engine.max_len, model_config, model_dir)
+        max_batch = DEFAULT_MAX_BATCH if engine.max_batch is None else engine.max_batch
+        if engine.kv_cache_memory is not None:
+            if engine.max_batch is not None:
                 raise ConfigError("give max_batch or kv_cache_memory, not both")
             max_batch = _max_batch_for(
-                kv_cache_memory,
+                int(engine.kv_cache_memory),
                 model_config,
                 dtype,
                 config.kv_cache_dtype,
                 granularity or "layer",
                 max_len,
             )
-        max_batch = DEFAULT_MAX_BATCH if max_batch is None else max_batch
-        if not _positive_int(max_batch):
-            raise ConfigError(f"max_batch={max_batch!r} is invalid; allowed: an integer >= 1")
-        if max_prefill_tokens is None:
-            max_prefill_tokens = DEFAULT_MAX_PREFILL_TOKENS
-        if not _positive_int(max_prefill_tokens):
-            raise ConfigError(
-                f"max_prefill_tokens={max_prefill_tokens!r} must be a positive int "
-                "(padded prompt tokens per prefill forward)"
-            )
-        return cls(config, granularity, device, dtype, max_len, max_batch, max_prefill_tokens)
+        prefill = engine.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS
+        return cls(config, granularity, device, dtype, max_len, max_batch, prefill)
 
     def sync_rounding_generator(
         self, model_config: ModelConfig, seed: int | None
@@ -204,18 +186,14 @@ def _check_max_len(max_len: int | None, model_config: ModelConfig, model_dir: Pa
 
 
 def _max_batch_for(
-    kv_cache_memory: object,
+    budget: int,
     c: ModelConfig,
     dtype: torch.dtype,
     kv_cache_dtype: str,
     granularity: str,
     max_len: int,
 ) -> int:
-    """Slots of `max_len` tokens that fit in `kv_cache_memory` bytes of KV cache."""
-    number = not isinstance(kv_cache_memory, bool) and isinstance(kv_cache_memory, (int, float))
-    if not number or not kv_cache_memory >= 1:
-        raise ConfigError(f"kv_cache_memory={kv_cache_memory!r} must be a positive number of bytes")
-    budget = int(kv_cache_memory)
+    """Slots of `max_len` tokens that fit in `budget` bytes of KV cache."""
     args = (c.num_layers, c.num_kv_heads, c.head_dim, dtype, kv_cache_dtype, granularity)
     tokens = KVCache.capacity_tokens(budget, *args)
     if tokens < max_len:

@@ -29,76 +29,72 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from flashrl.core.fields import check_fields, choice, integer, number, setting
 from flashrl.correction import CorrectionConfig
 from flashrl.errors import ConfigError
 from flashrl.fileio import atomic_write_text
 from flashrl.rl.algo import ADVANTAGES
 from flashrl.rl.compare import compare_variants
-from flashrl.rl.config_checks import check_numbers, check_policy_loss, check_workers
+from flashrl.rl.config_checks import check_relations
 from flashrl.rl.config_rollout import TrainRolloutConfig
 from flashrl.rl.data import DataConfig, prompt_source
 from flashrl.rl.loss import AGGREGATIONS
 from flashrl.rl.policy_loss import POLICY_LOSSES
 from flashrl.rl.renamed import RENAMED, refuse
-from flashrl.rl.rewards import REWARDS
 
 TRAINER_DTYPES = ("fp32", "bf16")
-RESUME_FREE_FIELDS = (
-    "run.steps",
-    "algo.lr",
-    "run.output_dir",
-    "run.save_every",
-    "run.keep_last",
-    "run.resume",
-    "run.resume_allow_changes",
-    "run.overwrite",
-    "run.plot",
-    "run.log_weight_changes",
-    "run.samples_per_step",
-    "run.print_samples_every",
-    "run.compare",
-    "run.device",
-    "run.micro_batch_size",
-    "rollout.max_batch",
-    "rollout.backend_kwargs",
-    *(f"rollout.workers.{name}" for name in ("count", "address", "cpus", "gpus", "threads")),
-    *(f"rollout.workers.{name}" for name in ("payload", "bucket_mb", "timeout")),
-    "rollout.workers.delta_full_every",
-)
-"""Fields a resumed run may change freely (length, learning rate, outputs, machine layout); every
-other field must match the checkpoint's config unless named in ``run.resume_allow_changes``."""
+MAX_LR = 1.0
+"""The largest `algo.lr`: AdamW moves every weight by about lr per step, so a larger one destroys
+the policy in one step (1e38 overflowed the weights to inf)."""
+
+
+def _check_output_dir(path: str) -> str:
+    if isinstance(path, str) and path.strip():
+        return path
+    raise ConfigError(
+        f"run.output_dir={path!r} is empty; allowed: a directory path (created if missing), "
+        f"e.g. runs/flashrl; '.' for the current directory"
+    )
 
 
 @dataclass
 class AlgoConfig:
     """What one RL step computes: the sampled policy, advantages, the loss and the optimizer."""
 
-    batch_size: int = 128
+    batch_size: int = integer(128)
     """Sequences per step: prompts per step times group_size."""
-    group_size: int = 8
+    group_size: int = integer(8)
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    max_prompt_tokens: int = 64
-    max_response_tokens: int = 16
-    advantage: str = "grpo"
+    max_prompt_tokens: int = integer(64)
+    max_response_tokens: int = integer(16)
+    advantage: str = choice("grpo", ADVANTAGES)
     norm_adv_by_std: bool = True
-    policy_loss: str = "ppo_clip"
+    policy_loss: str = choice("ppo_clip", POLICY_LOSSES)
     """A name of `flashrl.rl.policy_loss.POLICY_LOSSES`: ppo_clip, gspo, reinforce."""
-    loss_aggregation: str = "token_mean"
+    loss_aggregation: str = choice("token_mean", AGGREGATIONS)
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float | None = None
-    mini_batches: int = 1
+    mini_batches: int = integer(1)
     """Optimizer steps per rollout batch (1 = on-policy)."""
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
-    kl_coef: float = 0.0
+    lr: float = number(
+        1e-4,
+        above=0,
+        at_most=MAX_LR,
+        note="AdamW moves each weight by about lr per step",
+        resume_free=True,
+    )
+    weight_decay: float = number(0.0, at_least=0, note="0: no weight decay")
+    warmup_steps: int = integer(0, least=0, note="0: no warmup")
+    grad_clip: float = number(1.0, at_least=0, note="0: no clipping")
+    kl_coef: float = number(0.0, at_least=0, note="0: no KL penalty")
     """Weight of a k3 KL penalty to the initial policy (0 = no reference model)."""
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
+    overlong_buffer: int = integer(0, least=0, note="0: no overlong penalty")
+    overlong_penalty: float = number(
+        1.0, at_least=0, note="a negative one would reward overlong answers"
+    )
     dynamic_sampling: bool = False
     routing_replay: bool = False
     """MoE models: the trainer's forward uses the experts the rollout engine chose for each token
@@ -109,47 +105,37 @@ class AlgoConfig:
 class RunConfig:
     """How the run is laid out: its length, the trainer's machine, outputs and checkpoints."""
 
-    steps: int = 60
+    steps: int = integer(60, resume_free=True)
     seed: int = 0
-    device: str | None = None
-    trainer_dtype: str = "fp32"
-    micro_batch_size: int = 64
+    device: str | None = setting(None, resume_free=True)
+    trainer_dtype: str = choice("fp32", TRAINER_DTYPES)
+    micro_batch_size: int = integer(64, resume_free=True)
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
-    output_dir: str = "runs/flashrl"
-    save_every: int = 0
+    output_dir: str = setting("runs/flashrl", check=_check_output_dir, resume_free=True)
+    save_every: int = integer(0, least=0, note="0: save only at the end", resume_free=True)
     """Save a checkpoint every N steps (0: only at the end)."""
-    keep_last: int | None = None
+    keep_last: int | None = integer(None, note="none: keep every checkpoint", resume_free=True)
     """Keep only the N newest checkpoints; None keeps all."""
-    resume: str | None = None
+    resume: str | None = setting(None, resume_free=True)
     """'latest' (newest complete checkpoint in output_dir) or a checkpoint directory."""
-    resume_allow_changes: str | None = None
+    resume_allow_changes: str | None = setting(None, resume_free=True)
     """Comma-separated fields (e.g. run.seed,rollout.quant, or a group such as rollout) that may
     differ from the resumed checkpoint's config beyond RESUME_FREE_FIELDS, or 'all'."""
-    overwrite: bool = False
+    overwrite: bool = setting(False, resume_free=True)
     """Let a fresh run delete the run already in output_dir (its metrics, checkpoints, plots), and a
     resume from an older checkpoint delete the newer ones."""
-    plot: bool = True
-    samples_per_step: int = 4
+    plot: bool = setting(True, resume_free=True)
+    samples_per_step: int = integer(4, least=0, note="0: none", resume_free=True)
     """Rollouts written to samples.jsonl per step (one per prompt group; 0: none)."""
-    print_samples_every: int = 50
+    print_samples_every: int = integer(50, least=0, note="0: never", resume_free=True)
     """Print a few of them every N steps (0: never)."""
-    log_weight_changes: bool = False
+    log_weight_changes: bool = setting(False, resume_free=True)
     """Log the fraction of stored rollout weights (quantized codes and high-precision values) each
     weight sync changed (`sync/*_changed_frac`; built-in engine in the trainer's process; one
     clone and compare per tensor)."""
-    compare: str | None = None
+    compare: str | None = setting(None, resume_free=True)
     """Comma-separated rollout precisions to run one after another with the same seed and data,
     e.g. 'bf16,int8,int8-notis,fp8' ('-notis' sets correction.weight none)."""
-
-
-GROUPS: dict[str, type] = {
-    "data": DataConfig,
-    "rollout": TrainRolloutConfig,
-    "correction": CorrectionConfig,
-    "algo": AlgoConfig,
-    "run": RunConfig,
-}
-"""The groups of `TrainConfig`, in order (`group_classes` adds the nested ones)."""
 
 
 @dataclass
@@ -168,71 +154,17 @@ class TrainConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise a ConfigError naming the first invalid field (dotted) and what is allowed."""
-        d, a, r = self.data, self.algo, self.run
-        choices = {
-            "algo.advantage": (a.advantage, ADVANTAGES),
-            "data.reward": (d.reward, tuple(REWARDS)),
-            "algo.loss_aggregation": (a.loss_aggregation, AGGREGATIONS),
-            "algo.policy_loss": (a.policy_loss, tuple(POLICY_LOSSES)),
-            "run.trainer_dtype": (r.trainer_dtype, TRAINER_DTYPES),
-        }
-        for name, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ConfigError(f"{name}={value!r} is invalid; allowed: {', '.join(allowed)}")
-        positive = {
-            "run.steps": r.steps,
-            "algo.batch_size": a.batch_size,
-            "algo.group_size": a.group_size,
-            "algo.mini_batches": a.mini_batches,
-            "run.micro_batch_size": r.micro_batch_size,
-            "algo.max_prompt_tokens": a.max_prompt_tokens,
-            "algo.max_response_tokens": a.max_response_tokens,
-        }
-        for name in ("samples_per_step", "print_samples_every"):
-            value = getattr(r, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"run.{name}={value!r} must be an integer >= 0")
-        for name, value in positive.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
-        self._check_batch()
+        """Raise a ConfigError naming the first invalid field (dotted) and what is allowed: each
+        field's own rule (`flashrl.core.fields`; the rollout and correction groups check
+        themselves when built), then what the fields need of each other."""
+        for group in ("data", "algo", "run"):
+            check_fields(getattr(self, group), f"{group}.")
         if self.data.path is None:  # the built-in task's operands and template, before any work
-            prompt_source(self.data, r.seed)
-        check_numbers(self)  # finite floats; lr, decay, penalties, save_every, workers, output_dir
-        check_policy_loss(a)
-        if self.correction.mode == "bypass" and a.mini_batches > 1:
-            raise ConfigError(
-                "correction.mode='bypass' takes the PPO ratio against the rollout "
-                "policy; use algo.mini_batches=1"
-            )
-        keep = r.keep_last
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise ConfigError(
-                f"run.keep_last={keep!r} must be a positive integer (or none to keep "
-                f"every checkpoint)"
-            )
-        check_workers(self)
+            prompt_source(self.data, self.run.seed)
+        check_relations(self)
         self.resume_allowed()
-        if r.compare:
-            compare_variants(r.compare)
-
-    def _check_batch(self) -> None:
-        a = self.algo
-        if a.batch_size % a.group_size:
-            raise ConfigError(
-                f"algo.batch_size={a.batch_size} is not divisible by "
-                f"algo.group_size={a.group_size}; batch_size counts sequences "
-                f"(prompts per step x group_size)"
-            )
-        mini = a.batch_size // a.mini_batches
-        if mini * a.mini_batches != a.batch_size or mini % a.group_size:
-            raise ConfigError(
-                f"algo.batch_size={a.batch_size} must split into "
-                f"algo.mini_batches={a.mini_batches} whole groups of {a.group_size}"
-            )
-        if a.group_size < 2 and a.advantage != "drgrpo":
-            raise ConfigError(f"algo.advantage={a.advantage!r} needs algo.group_size >= 2")
+        if self.run.compare:
+            compare_variants(self.run.compare)
 
     def resume_allowed(self) -> set[str] | None:
         """Dotted fields `run.resume_allow_changes` lets differ from the checkpoint's config (None:
@@ -262,10 +194,7 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The nested config as plain YAML / JSON data (tuples become lists)."""
-        out: dict[str, Any] = {"model": self.model}
-        for name in GROUPS:
-            out[name] = _plain(dataclasses.asdict(getattr(self, name)))
-        return out
+        return _plain(dataclasses.asdict(self))
 
     def flat_dict(self) -> dict[str, Any]:
         """``{"model": ..., "algo.lr": ..., ...}``: every field under its dotted name."""
@@ -321,35 +250,48 @@ def flatten(nested: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-@functools.cache
 def group_classes() -> dict[str, type]:
     """Every group of `TrainConfig` by dotted name, the nested ones after their parent:
     ``data``, ``rollout``, ``rollout.workers``, ... (a field whose type is a dataclass)."""
-    out: dict[str, type] = {}
-
-    def visit(name: str, cls: type) -> None:
-        out[name] = cls
-        hints = get_type_hints(cls)
-        for f in fields(cls):
-            if dataclasses.is_dataclass(hints[f.name]):
-                visit(f"{name}.{f.name}", hints[f.name])
-
-    for name, cls in GROUPS.items():
-        visit(name, cls)
-    return out
+    return _tree()[0]
 
 
 def field_names() -> list[str]:
     """Every dotted field name of `TrainConfig`, in order (nested groups: their fields)."""
-    return list(field_types())
+    return list(_tree()[1])
 
 
 def field_types() -> dict[str, Any]:
     """Dotted field name -> type hint, for every field that is not itself a group."""
-    groups = group_classes()
-    out = {"model": get_type_hints(TrainConfig)["model"]}
-    for group, cls in groups.items():
+    return {name: hint for name, (_, hint) in _tree()[1].items()}
+
+
+@functools.cache
+def _tree() -> tuple[dict[str, type], dict[str, tuple[dataclasses.Field, Any]]]:
+    """The groups of `TrainConfig` (dotted name -> class) and its other fields (dotted name ->
+    (field, type hint)), in field order."""
+    groups: dict[str, type] = {}
+    leaves: dict[str, tuple[dataclasses.Field, Any]] = {}
+
+    def visit(prefix: str, cls: type) -> None:
         hints = get_type_hints(cls)
-        names = (f"{group}.{f.name}" for f in fields(cls))
-        out.update({name: hints[name.rpartition(".")[2]] for name in names if name not in groups})
-    return out
+        for f in fields(cls):
+            name, hint = prefix + f.name, hints[f.name]
+            if dataclasses.is_dataclass(hint):
+                groups[name] = hint
+                visit(name + ".", hint)
+            else:
+                leaves[name] = (f, hint)
+
+    visit("", TrainConfig)
+    return groups, leaves
+
+
+GROUPS = {name: cls for name, cls in group_classes().items() if "." not in name}
+"""The groups of `TrainConfig`, in order (`group_classes` adds the nested ones)."""
+RESUME_FREE_FIELDS = tuple(
+    name for name, (f, _) in _tree()[1].items() if f.metadata.get("resume_free")
+)
+"""Fields a resumed run may change freely (length, learning rate, outputs, machine layout): those
+declared with ``resume_free=True``. Every other field must match the checkpoint's config unless
+named in ``run.resume_allow_changes``."""

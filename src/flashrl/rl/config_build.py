@@ -4,9 +4,9 @@ Every layer is a mapping in one of two spellings, both read the same way: nested
 file (``algo: {lr: 0.001}``, ``rollout: {workers: {count: 2}}``) or dotted like the flags
 (``algo.lr``, ``rollout.workers.count``). An old name (flashrl 0.1's ``lr``, ``tis_cap``; a rollout
 setting of the run group, ``run.backend``) is a ConfigError naming its new name
-(`flashrl.rl.renamed`). Values are
-converted to the field's type (`flashrl.rl.values.coerce`); the correction group is parsed by
-`CorrectionConfig.from_dict` (it takes verl-style strings such as ``"0.5_5.0"``).
+(`flashrl.rl.renamed`). Values are converted to the field's type (`flashrl.rl.values.coerce`);
+the correction group is parsed by `CorrectionConfig.from_dict` (it takes verl-style strings such
+as ``"0.5_5.0"``).
 
 ``rollout.file`` names a rollout config (a ``flashrl.yaml`` from `flashrl setup`, or a scheme
 name): it is the base of the core `RolloutConfig` fields of the rollout group, and those set in
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from flashrl.core.config import read_yaml, resolve_config
@@ -37,28 +36,14 @@ _EXTRA_TYPES = {ROLLOUT_FILE: str | None}
 _CORRECTION_STRINGS = ("correction.band", "correction.rejection", "correction.rejection_thresholds")
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML file of TrainConfig fields (`yaml.safe_load`: nothing in it can run code)."""
-    data = read_yaml(path)
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"{path}: expected a mapping of TrainConfig fields, got {type(data).__name__}"
-        )
-    return data
-
-
 def layer_values(layer: Mapping[Any, Any], source: str, path: str | None = None) -> dict[str, Any]:
     """One layer (nested or dotted names) as typed values under dotted names; an old name, an
     unknown key, or a field the layer sets twice (say ``algo.lr`` and ``algo: {lr}``) to different
     values is a ConfigError naming `path` (or `source`) and what to write instead."""
-    renamed = [str(key) for key, value in layer.items() if is_renamed(key, value)]
-    if renamed:
-        raise refuse(renamed, path or source)
     items: list[tuple[Any, Any, str]] = []  # (dotted key, value, the key as the layer spells it)
     for key, value in layer.items():
         items += _items(key, value, str(key), path or source)
-    renamed = [key for key, _, _ in items if key in RENAMED]
+    renamed = [str(key) for key, value, _ in items if is_renamed(key, value)]
     if renamed:
         raise refuse(renamed, path or source)
     types = {**field_types(), **_EXTRA_TYPES}
@@ -74,7 +59,7 @@ def layer_values(layer: Mapping[Any, Any], source: str, path: str | None = None)
 def _items(key: Any, value: Any, spelled: str, where: str) -> list[tuple[Any, Any, str]]:
     """(dotted key, value, spelling) of one entry, a group's mapping opened into its fields."""
     groups = group_classes()
-    if key not in groups:
+    if key not in groups or is_renamed(key, value):  # ``data: d.jsonl`` is flashrl 0.1's path
         return [(key, value, spelled)]
     if value is None:  # an empty group in YAML (``rollout:``)
         return []
@@ -172,11 +157,11 @@ def build_config(
         raise ConfigError(f"unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
     values = layer_values(PRESETS[preset], f"preset {preset}") if preset else {}
     explicit: set[str] = set()
-    layers = (
-        ("YAML", str(yaml_path), load_yaml(yaml_path) if yaml_path else {}),
+    yaml_layer = read_yaml(yaml_path, keys="TrainConfig fields") if yaml_path else {}
+    for source, path, layer in (
+        ("YAML", str(yaml_path), yaml_layer),
         ("overrides", None, overrides),
-    )
-    for source, path, layer in layers:
+    ):
         typed = layer_values(layer, source, path)
         values.update(typed)
         explicit |= set(typed)
@@ -189,8 +174,7 @@ def stored_values(stored: Mapping[str, Any], source: str = "checkpoint") -> dict
     alike; else the values as stored. A config in old names (flashrl 0.1's flat ones, or rollout
     settings stored under ``run``) is a CheckpointError: it is not translated, and a comparison
     under new names would find no field to compare."""
-    renamed = [str(key) for key, value in stored.items() if is_renamed(key, value)]
-    renamed += [key for key in flatten(dict(stored)) if key in RENAMED and "." in key]
+    renamed = [str(key) for key, value in flatten(dict(stored)).items() if is_renamed(key, value)]
     if renamed:
         moved = ", ".join(f"{name} (now {RENAMED[name]})" for name in renamed)
         raise CheckpointError(

@@ -1,59 +1,65 @@
-"""Range checks of `TrainConfig`'s numbers and paths, called by `TrainConfig.validate`.
-
-Every float of the data, algo and run groups must be finite (``inf`` and ``nan`` parse as floats
-but would fail much later, naming a tensor); the rollout (and its workers) and correction groups
-check their own numbers. Then each number that has a sign or a bound gets it, with a
-`ConfigError` naming the dotted field, the value and what is allowed.
-"""
+"""What the fields of a `TrainConfig` need of each other, called by `TrainConfig.validate` after
+each field's own rule (`flashrl.core.fields`). Errors name every dotted field involved."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import fields
 from typing import Any
 
 from flashrl.errors import ConfigError
 
-MAX_LR = 1.0
-"""The largest `algo.lr`: AdamW moves every weight by about lr per step, so a larger one destroys
-the policy in one step (1e38 overflowed the weights to inf)."""
+
+def check_relations(config: Any) -> None:
+    """Raise a ConfigError naming the fields of the first need that is not met."""
+    _check_batch(config.algo)
+    _check_algo(config.algo)
+    if config.correction.mode == "bypass" and config.algo.mini_batches > 1:
+        raise ConfigError(
+            "correction.mode='bypass' takes the PPO ratio against the rollout "
+            "policy; use algo.mini_batches=1"
+        )
+    _check_workers(config)
 
 
-def check_numbers(config: Any) -> None:
-    """Raise a ConfigError naming the first non-finite float or out-of-range number."""
-    for group in ("data", "algo", "run"):
-        values = getattr(config, group)
-        for f in fields(values):
-            value = getattr(values, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                name = f"{group}.{f.name}"
-                allowed = _RANGES.get(name, " a finite number")
-                raise ConfigError(f"{name}={value!r} is not a finite number; allowed:{allowed}")
-    a, r = config.algo, config.run
-    if not 0 < a.lr <= MAX_LR:
-        raise ConfigError(f"algo.lr={a.lr!r} is out of range; allowed:{_RANGES['algo.lr']}")
-    for name in ("weight_decay", "grad_clip", "kl_coef", "overlong_penalty"):
-        value = getattr(a, name)
-        if value < 0:
-            allowed = _RANGES[f"algo.{name}"]
-            raise ConfigError(f"algo.{name}={value!r} is negative; allowed:{allowed}")
-    _integer_at_least_0("algo.warmup_steps", a.warmup_steps, "0: no warmup")
-    _integer_at_least_0("algo.overlong_buffer", a.overlong_buffer, "0: no overlong penalty")
+def _check_batch(a: Any) -> None:
+    """A batch is whole groups, and so is each mini-batch."""
+    if a.batch_size % a.group_size:
+        raise ConfigError(
+            f"algo.batch_size={a.batch_size} is not divisible by "
+            f"algo.group_size={a.group_size}; batch_size counts sequences "
+            f"(prompts per step x group_size)"
+        )
+    mini = a.batch_size // a.mini_batches
+    if mini * a.mini_batches != a.batch_size or mini % a.group_size:
+        raise ConfigError(
+            f"algo.batch_size={a.batch_size} must split into "
+            f"algo.mini_batches={a.mini_batches} whole groups of {a.group_size}"
+        )
+    if a.group_size < 2 and a.advantage != "drgrpo":
+        raise ConfigError(f"algo.advantage={a.advantage!r} needs algo.group_size >= 2")
+
+
+def _check_algo(a: Any) -> None:
+    """The overlong penalty starts inside the response; GSPO aggregates per sequence (as verl
+    forces) and has no dual clip."""
     if 0 < a.max_response_tokens <= a.overlong_buffer:
         raise ConfigError(
             f"algo.overlong_buffer={a.overlong_buffer} must be smaller than "
             f"algo.max_response_tokens={a.max_response_tokens} (the penalty starts "
             f"overlong_buffer tokens before the limit)"
         )
-    _integer_at_least_0("run.save_every", r.save_every, "0: save only at the end")
-    if not isinstance(r.output_dir, str) or not r.output_dir.strip():
+    if a.policy_loss != "gspo":
+        return
+    if a.loss_aggregation != "seq_mean_token_mean":
         raise ConfigError(
-            f"run.output_dir={r.output_dir!r} is empty; allowed: a directory path (created if "
-            f"missing), e.g. runs/flashrl; '.' for the current directory"
+            f"algo.policy_loss=gspo averages per sequence: set algo.loss_aggregation "
+            f"seq_mean_token_mean (got {a.loss_aggregation}); GSPO's clip range is also "
+            f"much narrower than PPO's (paper: algo.clip_low 0.0003, algo.clip_high 0.0004)"
         )
+    if a.dual_clip is not None:
+        raise ConfigError(f"algo.dual_clip={a.dual_clip!r} does not apply to gspo; leave it unset")
 
 
-def check_workers(config: Any) -> None:
+def _check_workers(config: Any) -> None:
     """What needs the built-in engine in the trainer's process (the rollout group checks its own
     fields, `flashrl.rl.config_rollout`)."""
     r = config.rollout
@@ -70,33 +76,3 @@ def check_workers(config: Any) -> None:
         raise ConfigError(
             f"algo.routing_replay needs the built-in engine in the trainer's process {where}; {got}"
         )
-
-
-def check_policy_loss(a: Any) -> None:
-    """What a policy loss needs from the other algo fields: GSPO aggregates per sequence (as verl
-    forces) and has no dual clip."""
-    if a.policy_loss != "gspo":
-        return
-    if a.loss_aggregation != "seq_mean_token_mean":
-        raise ConfigError(
-            f"algo.policy_loss=gspo averages per sequence: set algo.loss_aggregation "
-            f"seq_mean_token_mean (got {a.loss_aggregation}); GSPO's clip range is also "
-            f"much narrower than PPO's (paper: algo.clip_low 0.0003, algo.clip_high 0.0004)"
-        )
-    if a.dual_clip is not None:
-        raise ConfigError(f"algo.dual_clip={a.dual_clip!r} does not apply to gspo; leave it unset")
-
-
-_RANGES = {
-    "algo.lr": f" a number > 0 and <= {MAX_LR:g} (AdamW moves each weight by about lr per step)",
-    "algo.weight_decay": " a number >= 0 (0: no weight decay)",
-    "algo.grad_clip": " a number >= 0 (0: no clipping)",
-    "algo.kl_coef": " a number >= 0 (0: no KL penalty)",
-    "algo.overlong_penalty": " a number >= 0 (a negative one would reward overlong answers)",
-}
-"""What each bounded float allows (after "allowed:"), shared by the finiteness and range errors."""
-
-
-def _integer_at_least_0(name: str, value: Any, zero: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{name}={value!r} is invalid; allowed: an integer >= 0 ({zero})")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from flashrl.core.config import RolloutConfig
+from flashrl.core.fields import check_fields, choice, integer, setting
 from flashrl.distributed.config import WorkersConfig
 from flashrl.errors import ConfigError
 from flashrl.model.remote_code import check_trust_remote_code
@@ -32,16 +33,16 @@ class TrainRolloutConfig(RolloutConfig):
     """Every rollout setting of a training run: the core `RolloutConfig` fields, then these."""
 
     quant: str = "int8"  # the core field, with the training default
-    dtype: str = "bf16"
+    dtype: str = choice("bf16", ROLLOUT_DTYPES)
     """Activation dtype of the rollout engine: bf16, fp16 or fp32."""
-    backend: str = "builtin"
+    backend: str = choice("builtin", backend_names)
     """The rollout engine, a name of `flashrl.rl.backends` (builtin, vllm, or one registered)."""
-    backend_kwargs: str | None = None
+    backend_kwargs: str | None = setting(None, resume_free=True)
     """JSON object of extra backend arguments: for 'vllm' the `vllm.LLM(...)` keywords, e.g.
     '{"enforce_eager": true}' or '{"tensor_parallel_size": 2}'; 'builtin' takes none."""
-    max_batch: int = 256
+    max_batch: int = integer(256, resume_free=True)
     """Sequences the engine decodes at once (the built-in engine's KV-cache slots)."""
-    shards: int = 0
+    shards: int = integer(0, least=0, note="0: one per worker")
     """generate calls per step (prompts split evenly); rollouts depend on it, not on the number of
     workers. 0: max(workers.count, 1)."""
     workers: WorkersConfig = field(default_factory=WorkersConfig)
@@ -52,17 +53,7 @@ class TrainRolloutConfig(RolloutConfig):
             super().__post_init__()
         except ConfigError as err:
             raise ConfigError(f"rollout: {err}") from None
-        for name, allowed in (("dtype", ROLLOUT_DTYPES), ("backend", backend_names())):
-            if getattr(self, name) not in allowed:
-                value = getattr(self, name)
-                raise ConfigError(
-                    f"rollout.{name}={value!r} is invalid; allowed: {', '.join(allowed)}"
-                )
-        m, s = self.max_batch, self.shards
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ConfigError(f"rollout.max_batch={m!r} must be a positive integer")
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            raise ConfigError(f"rollout.shards={s!r} must be an integer >= 0 (0: one per worker)")
+        check_fields(self, "rollout.", skip=CORE_FIELDS)
         if not isinstance(self.workers, WorkersConfig):
             raise ConfigError(f"rollout.workers must be a WorkersConfig, got {self.workers!r}")
         if self.backend_kwargs_dict() and self.backend == "builtin":

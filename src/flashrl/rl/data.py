@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from flashrl.core.fields import choice
 from flashrl.errors import ConfigError, InputError, UnsupportedError
 from flashrl.fileio import check_input_file
+from flashrl.rl.rewards import REWARDS
 
 TASK_TEMPLATE = "{a}{op}{b}="
 
@@ -30,7 +32,7 @@ class DataConfig:
     chat_template: bool = True
     """Wrap prompts in the model's chat template when it has one."""
     system_prompt: str | None = None
-    reward: str = "exact_match"
+    reward: str = choice("exact_match", REWARDS)
     task_max_operand: int = 99
     """Largest operand of the built-in arithmetic task."""
     task_min_operand: int = 0

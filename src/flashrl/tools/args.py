@@ -3,9 +3,9 @@
 `add_fields(parser, cls)` adds one flag per field of a dataclass (``--max-new-tokens`` for
 ``max_new_tokens``; with ``prefix="algo."`` ``--algo.lr``), with the field's docstring as help and
 its default shown; a field that is itself a dataclass gets its fields' flags one dot deeper
-(``--rollout.workers.count``). Flags take strings; `given(args)` returns the ones on the command line and
-`build(cls, args)` converts them to the fields' types (`flashrl.rl.values.coerce`, errors naming
-the flag) and constructs the dataclass, the other fields keeping their defaults. A boolean flag
+(``--rollout.workers.count``). Flags take strings; `build(cls, args)` converts the ones on the
+command line to the fields' types (`flashrl.rl.values.coerce`, errors naming the flag) and
+constructs the dataclass, the other fields keeping their defaults. A boolean flag
 alone means true (``--hf``); with a value it takes any boolean word (``--hf false``). A flag's value
 is stored under ``prefix + name`` in the namespace (``args.batch``, ``vars(args)["algo.lr"]``), and
 only when it is given.
@@ -141,25 +141,20 @@ def _metavar(hint: Any) -> str:
     return "|".join(out)
 
 
-def given(cls: type, args: argparse.Namespace, prefix: str = "") -> dict[str, str]:
-    """The `cls` field flags on the command line: ``{prefix + name: raw string}``."""
-    raw = vars(args)
-    keys = (prefix + f.name for f in dataclasses.fields(cls))
-    return {key: raw[key] for key in keys if key in raw}
-
-
 def values(cls: type, args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     """The typed values of the `cls` fields given on the command line (errors name the flag).
     A field's ``metadata["words"]`` maps extra words to values (``{"auto": None}``)."""
-    hints = get_type_hints(cls)
-    words = {f.name: f.metadata.get("words", {}) for f in dataclasses.fields(cls)}
+    hints, given = get_type_hints(cls), vars(args)
     out = {}
-    for key, value in given(cls, args, prefix).items():
-        name = key.removeprefix(prefix)
-        if isinstance(value, str) and value.strip().lower() in words[name]:
-            out[name] = words[name][value.strip().lower()]
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        if key not in given:
+            continue
+        value, words = given[key], f.metadata.get("words", {})
+        if isinstance(value, str) and value.strip().lower() in words:
+            out[f.name] = words[value.strip().lower()]
         else:
-            out[name] = coerce(flag(key), hints[name], value)
+            out[f.name] = coerce(flag(key), hints[f.name], value)
     return out
 
 

@@ -39,9 +39,8 @@ def refuse_builtin_only(config: RolloutConfig) -> None:
         )
     if config.quant != "bf16" and config.quant not in METHOD_NAMES:
         raise ValueError(
-            f"quant={config.quant!r} is not supported by the vLLM backend (its per-group int8 "
-            f"activations have no vLLM kernel); use the built-in engine, or one of: bf16, "
-            f"{', '.join(METHOD_NAMES)}"
+            f"quant={config.quant!r} is not supported by the vLLM backend; use the built-in "
+            f"engine, or one of: bf16, {', '.join(METHOD_NAMES)}"
         )
     if config.smooth is not None:
         raise ValueError(
@@ -60,7 +59,7 @@ def engine_kwargs(scheme: str | RolloutConfig | None = None) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` that run rollouts with `scheme`:
 
     ``LLM(model, **engine_kwargs("int8"))``. `scheme` is a flashrl scheme (``bf16``, ``int8``,
-    ``fp8``, ``fp8_channel``, ``fp8_block``), a YAML path or a `RolloutConfig`; None reads
+    ``fp8``, ``fp8_channel``, ``fp8_block``, ``int8_g128``, ``int8_g64``), a YAML path or a `RolloutConfig`; None reads
     ``FLASHRL_CONFIG``. The result holds:
 
     - ``quantization``: ``flashrl_<scheme>`` (absent for bf16), plus ``hf_overrides`` carrying the
@@ -74,8 +73,8 @@ def engine_kwargs(scheme: str | RolloutConfig | None = None) -> dict[str, Any]:
       reload); with ``kv_scale: dynamic``, vLLM's ``fp8_per_token_head`` cache (scales per token and
       head at write time, no calibration), which vLLM 0.32 runs only in CUDA Triton attention.
 
-    Raises ValueError for settings the vLLM backend cannot honour (the `int8_g*` schemes; online
-    smoothing; fp32 LM head; stochastic sync rounding; dynamic KV scales without a CUDA device).
+    Raises ValueError for settings the vLLM backend cannot honour (online smoothing; fp32 LM head;
+    stochastic sync rounding; dynamic KV scales without a CUDA device).
     """
     config = rollout_config(scheme)
     refuse_builtin_only(config)

@@ -12,6 +12,7 @@ only multiplies. Activations are quantized by the kernel, with the granularity o
 | `fp8_channel` | fp8 per-channel / dynamic per-token                | torch `_scaled_mm` (channel-wise)   |
 | `fp8`         | fp8 per-channel (one scale per shard, expanded per row) / dynamic per-tensor | whatever vLLM picks, else flashrl |
 | `fp8_block`   | fp8 128x128 blocks / dynamic 1x128 groups          | AMX only; flashrl's op elsewhere    |
+| `int8_g*`     | none: vLLM has no int8 kernel with group scales    | flashrl's op (reference GEMM)       |
 
 A kernel that does not quantize activations (W8A16: Marlin, the CPU AMX fp8 kernels) would change
 the scheme's numerics and is not used; neither is a kernel that fails a one-row probe. Every choice
@@ -83,6 +84,8 @@ def _new_kernel(scheme: str, layer: torch.nn.Module, dtype: torch.dtype) -> Any:
                 "shard; vLLM's block kernels tile the fused weight)"
             )
         keys = (qu.kFp8Dynamic128Sym, qu.kFp8Static128BlockSym)
+    elif scheme.startswith("int8_g"):
+        raise ValueError("vLLM has no int8 kernel taking per-group activation scales")
     else:
         raise ValueError(f"no vLLM kernel mapping for scheme {scheme!r}")
     return init_fp8_linear_kernel(

@@ -7,6 +7,8 @@ METHOD_NAMES: dict[str, str] = {
     "fp8": "flashrl_fp8",
     "fp8_channel": "flashrl_fp8_channel",
     "fp8_block": "flashrl_fp8_block",
+    "int8_g128": "flashrl_int8_g128",
+    "int8_g64": "flashrl_int8_g64",
 }
 """flashrl scheme -> the quantization name registered with vLLM (``LLM(quantization=...)``)."""
 

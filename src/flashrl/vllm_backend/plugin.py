@@ -3,8 +3,9 @@
 vLLM calls `register` once in every process it starts (the ``LLM`` process, the engine core and
 each worker). It registers:
 
-1. the quantization configs ``flashrl_int8``, ``flashrl_fp8``, ``flashrl_fp8_channel`` and
-   ``flashrl_fp8_block`` (`register_quantization_config`);
+1. the quantization configs ``flashrl_int8``, ``flashrl_fp8``, ``flashrl_fp8_channel``,
+   ``flashrl_fp8_block``, ``flashrl_int8_g128`` and ``flashrl_int8_g64``
+   (`register_quantization_config`);
 2. the ``flashrl`` weight-transfer backend (`WeightTransferEngineFactory.register_engine`);
 3. only when ``FLASHRL_CONFIG`` is set: ``FLASHRL_LOGGING_LEVEL`` / ``FLASHRL_LOGGING_FILE`` are
    applied to the ``flashrl`` logger, and the one hook flashrl puts into vLLM, a wrapper around the

@@ -1,5 +1,6 @@
 """flashrl's vLLM quantization configs, one per scheme (``flashrl_int8``, ``flashrl_fp8``,
-``flashrl_fp8_channel``, ``flashrl_fp8_block``): which method each layer gets. Linear layers get
+``flashrl_fp8_channel``, ``flashrl_fp8_block``, ``flashrl_int8_g128``, ``flashrl_int8_g64``): which
+method each layer gets. Linear layers get
 `FlashRLLinearMethod` (`flashrl.vllm_backend.quant_methods`), skipped linears and routers the
 high-precision `FlashRLDenseLinearMethod`, embeddings `FlashRLEmbeddingMethod`, routed experts
 `FlashRLFusedMoEMethod`. The plugin (`flashrl.vllm_backend.plugin`) registers `CONFIG_CLASSES`.
@@ -138,9 +139,26 @@ class FlashRLFp8BlockConfig(FlashRLQuantConfig):
     scheme_name = "fp8_block"
 
 
+class FlashRLInt8G128Config(FlashRLQuantConfig):
+    """``flashrl_int8_g128``: int8 per-channel weights, int8 activations with one scale per token and
+    group of 128 columns (flashrl's reference GEMM: vLLM has no kernel for group activation scales)."""
+
+    scheme_name = "int8_g128"
+    min_capability = 75
+
+
+class FlashRLInt8G64Config(FlashRLQuantConfig):
+    """``flashrl_int8_g64``: as ``flashrl_int8_g128`` with groups of 64 columns."""
+
+    scheme_name = "int8_g64"
+    min_capability = 75
+
+
 CONFIG_CLASSES: tuple[type[FlashRLQuantConfig], ...] = (
     FlashRLInt8Config,
     FlashRLFp8Config,
     FlashRLFp8ChannelConfig,
     FlashRLFp8BlockConfig,
+    FlashRLInt8G128Config,
+    FlashRLInt8G64Config,
 )

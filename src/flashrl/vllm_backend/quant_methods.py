@@ -1,5 +1,6 @@
 """flashrl's online quantization methods for vLLM: ``flashrl_int8``, ``flashrl_fp8``,
-``flashrl_fp8_channel`` and ``flashrl_fp8_block``.
+``flashrl_fp8_channel``, ``flashrl_fp8_block`` and the int8 group schemes ``flashrl_int8_g128`` /
+``flashrl_int8_g64``.
 
 Each config makes vLLM create the ordinary bf16 (checkpoint-format) weight of every linear layer,
 on the meta device like vLLM's own online methods, so loading is layer by layer. When a layer's
@@ -17,7 +18,8 @@ storages. The method keeps no state between loads, so a reload gives exactly wha
 the same weights gives.
 
 Kernels: ``torch._int_mm`` (int8) and ``torch._scaled_mm`` (fp8 per-tensor and per-channel) on CPU
-and CUDA; fp8_block runs flashrl's reference path (dequantize per block, fp32 matmul) everywhere.
+and CUDA; fp8_block and int8_g* run flashrl's reference paths (dequantize per block or group,
+fp32 matmul) everywhere.
 The GEMM is wrapped in a torch custom op, so torch.compile and CUDA graphs treat it as one opaque
 call. Embeddings, the LM head, norms and attention are left to vLLM's unquantized methods; MoE
 experts are quantized by `flashrl.vllm_backend.moe_methods` (routers stay in high precision).
