@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 
 from _common import device_name, format_table, time_fn, write_json
-from flashrl.correction import CorrectionConfig, compute_correction, mismatch_metrics, ppo_clip_loss
+from flashrl.correction import CorrectionConfig, compute_correction, mismatch_metrics
+from flashrl.rl.loss import ppo_clip_loss
 
 ALL_OPTIONS = {
     "token_k1": (0.5, 2.0),

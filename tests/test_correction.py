@@ -15,15 +15,14 @@ from hypothesis import strategies as st
 
 import verl_reference as verl
 from flashrl.correction import (
-    AGGREGATIONS,
     ICEPOP_BAND,
     REJECTION_OPTIONS,
     WEIGHTS,
     CorrectionConfig,
     compute_correction,
     mismatch_metrics,
-    ppo_clip_loss,
 )
+from flashrl.rl.loss import AGGREGATIONS, ppo_clip_loss
 
 # ---------------------------------------------------------------------------------------------------
 # Plain-Python references (loops over lists, math module; no tensor ops)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import verl_reference as verl
-from flashrl.correction import CorrectionConfig, compute_correction, mismatch_metrics, ppo_clip_loss
-from flashrl.rl.loss import AGGREGATIONS
+from flashrl.correction import CorrectionConfig, compute_correction, mismatch_metrics
+from flashrl.rl.loss import AGGREGATIONS, ppo_clip_loss
 
 E20 = math.exp(20.0)
 

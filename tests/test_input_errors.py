@@ -51,9 +51,10 @@ def test_bad_prompt_templates_are_config_errors(tmp_path):
 
 
 def test_settings_errors_are_config_errors():
-    from flashrl.correction import CorrectionConfig, ppo_clip_loss
+    from flashrl.correction import CorrectionConfig
     from flashrl.quant.schemes import get_scheme, parse_scheme_list
     from flashrl.rl.algo import group_advantages
+    from flashrl.rl.loss import ppo_clip_loss
     from flashrl.rl.rewards import get_reward
 
     with pytest.raises(ConfigError, match="unknown quantization scheme 'int4'"):

@@ -39,12 +39,9 @@ UTILITIES = {"flashrl", "errors", "fileio", "utils", "testing", "masked", "calib
 """`flashrl` is the package root (``__version__``); `masked` holds torch-only masked reductions
 (correction and rl); `calibration_prompts` is data."""
 
-ALLOWED_FOR_NOW: set[tuple[str, str]] = {
-    # The README's `flashrl.correction.ppo_clip_loss` re-exports the loss that moved to rl (item 4):
-    ("flashrl.correction", "flashrl.rl.loss"),
-}
-"""Known exceptions. The one left is intended: the README's public API keeps
-`flashrl.correction.ppo_clip_loss`, a re-export of the loss that lives in `rl.loss` (issue 16 item 4);
+ALLOWED_FOR_NOW: set[tuple[str, str]] = set()
+"""Known exceptions: none. The last one, `flashrl.correction` re-exporting `rl.loss.ppo_clip_loss`,
+is gone (issue 25 item 4: the loss is imported from `flashrl.rl.loss`, where it lives);
 `test_allowed_violations_still_exist` makes sure no stale entry stays here."""
 
 

@@ -12,8 +12,8 @@ metric, and a compatibility table with verl.
 Modules, along the data path: ``options`` (names, defaults, parsers), ``config``
 (``CorrectionConfig`` and its presets), ``ratios`` (the log-ratio), ``weights`` (IS weights,
 rejection masks, batch normalization), ``metrics`` (mismatch and weight statistics), ``compute``
-(``compute_correction``). The PPO-clip loss that applies the weights lives in ``flashrl.rl.loss``
-and is re-exported here.
+(``compute_correction``). The PPO-clip loss that applies the weights lives one layer up, in
+``flashrl.rl.loss`` (with its aggregations), and is imported from there.
 """
 
 from flashrl.correction.compute import Correction, compute_correction, mismatch_metrics
@@ -26,10 +26,8 @@ from flashrl.correction.options import (
     WEIGHTS,
 )
 from flashrl.masked import LOG_RATIO_CLAMP
-from flashrl.rl.loss import AGGREGATIONS, ppo_clip_loss
 
 __all__ = [
-    "AGGREGATIONS",
     "DEFAULT_REJECTION_THRESHOLDS",
     "ICEPOP_BAND",
     "LOG_RATIO_CLAMP",
@@ -41,5 +39,4 @@ __all__ = [
     "CorrectionConfig",
     "compute_correction",
     "mismatch_metrics",
-    "ppo_clip_loss",
 ]

@@ -30,7 +30,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from flashrl.core.fields import check_fields, choice, integer, number, setting
-from flashrl.correction import AGGREGATIONS, CorrectionConfig
+from flashrl.correction import CorrectionConfig
 from flashrl.errors import ConfigError
 from flashrl.fileio import atomic_write_text
 from flashrl.rl.algo import ADVANTAGES
@@ -38,6 +38,7 @@ from flashrl.rl.compare import compare_variants
 from flashrl.rl.config_checks import check_relations
 from flashrl.rl.config_rollout import TrainRolloutConfig
 from flashrl.rl.data import DataConfig, prompt_source
+from flashrl.rl.loss import AGGREGATIONS
 from flashrl.rl.policy_loss import POLICY_LOSSES
 from flashrl.rl.renamed import RENAMED, refuse
 

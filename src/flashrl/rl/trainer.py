@@ -20,6 +20,10 @@ Ray with `rollout.workers.count`, docs/distributed.md):
 7. Weight sync: the trainer's parameters stream by name into the backend (or are broadcast to the
    workers), which re-quantizes in place with fresh scales. Each phase's time is logged.
 
+Each phase is a function or small object in `flashrl.rl.phases` (1-2: generate, 3: score,
+4-6: update, 7: sync, then record), called in order by `Trainer.train_step`; this module keeps
+set-up, the loop and checkpoints.
+
 Outputs in `output_dir`: `metrics.jsonl` (one line per step), `config.yaml`, checkpoints in
 Hugging Face format (`checkpoint-N/`, loadable by the engine and by `transformers`) with the
 optimizer state for resume, and `curves.png`. One directory holds one run: a fresh run refuses a
@@ -29,7 +33,6 @@ how the files survive crashes is in `flashrl.rl.checkpoint`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import sys
@@ -39,31 +42,30 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from flashrl.core.device import peak_memory_bytes, resolve_device, resolve_dtype
+from flashrl.core.device import resolve_device, resolve_dtype
 from flashrl.core.env import from_env
-from flashrl.core.rollout import Rollout, RolloutBackend
+from flashrl.core.rollout import RolloutBackend
 from flashrl.core.sampling import SamplingParams
-from flashrl.correction import compute_correction
 from flashrl.engine.inputs import load_tokenizer
 from flashrl.errors import CheckpointError
 from flashrl.model.pretrained import load_causal_lm
 from flashrl.model.remote_code import check_no_custom_code
-from flashrl.rl import algo
 from flashrl.rl import checkpoint as ckpt
-from flashrl.rl.batch import Batch, response_logprobs
 from flashrl.rl.checkpoint import read_metrics  # noqa: F401 (public here too)
 from flashrl.rl.compare import rollout_name
 from flashrl.rl.config import TrainConfig
-from flashrl.rl.data import Example, prompt_source, render_prompt
+from flashrl.rl.data import prompt_source
 from flashrl.rl.durable import append_line
-from flashrl.rl.metrics import rollout_metrics
+from flashrl.rl.phases.generate import Generator
+from flashrl.rl.phases.record import StepResult, record
+from flashrl.rl.phases.score import score
+from flashrl.rl.phases.sync import sync
+from flashrl.rl.phases.update import Learner
 from flashrl.rl.plan import plan_run
 from flashrl.rl.rewards import get_reward
-from flashrl.rl.routing_replay import build_batch, replay_backend, replay_routing
-from flashrl.rl.samples import SAMPLES_FILE, collect, record_samples
-from flashrl.rl.update import ppo_update
+from flashrl.rl.routing_replay import replay_backend
+from flashrl.rl.samples import SAMPLES_FILE
 from flashrl.rl.workers import make_backend, make_rollouts
-from flashrl.utils import synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +92,8 @@ class Trainer:
         check_no_custom_code(self.model_dir, source_dir)  # never run code from a model folder
         self.tokenizer = load_tokenizer(self.model_dir)  # damaged files: one error naming them
         self._load_models(source_dir, from_checkpoint=resume_dir is not None)
-        self.source = prompt_source(config.data, config.run.seed)
+        source = prompt_source(config.data, config.run.seed)
         self.reward_fn = get_reward(config.data.reward)
-        self.correction = config.correction
         a = config.algo
         self.sampling = SamplingParams(
             temperature=a.temperature,
@@ -107,7 +108,10 @@ class Trainer:
         if config.algo.routing_replay:  # MoE: rollouts carry the experts each token used
             backend = replay_backend(backend, lambda: make_backend(config, source_dir, self.device))
         self.backend, self.rollouts = make_rollouts(config, source_dir, self.device, backend)
-        self.pending: dict[int, tuple] = {}  # async: step under way -> (examples, handle)
+        self.generator = Generator(config, source, self.tokenizer, self.rollouts, self.sampling)
+        self.learner = Learner(
+            self.policy, self.reference, self.optimizer, config, self.sampling, self.device
+        )
         # every check passed and the models loaded: only now change what is on disk
         ckpt.set_damaged_aside(damaged, resume_dir)
         ckpt.remove(discard, "--run.overwrite")
@@ -146,177 +150,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _encode(self, examples: list[Example]) -> list[list[int]]:
-        d, limit = self.config.data, self.config.algo.max_prompt_tokens
-        special = not d.chat_template or not self.tokenizer.chat_template
-        out = []
-        for ex in examples:
-            text = render_prompt(self.tokenizer, ex.prompt, d.chat_template, d.system_prompt)
-            ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
-            out.append(ids[-limit:])  # keep the end: the question and generation prompt
-        return out
-
-    def rollout(self, step: int) -> tuple[list[Example], list[Rollout]]:
-        """The examples and rollouts of `step` (already under way with async rollouts)."""
-        examples, handle = self.pending.pop(step, None) or self._submit(step)
-        return examples, self.rollouts.collect(handle)
-
-    def _submit(self, step: int) -> tuple[list[Example], object]:
-        a = self.config.algo
-        examples = self.source.batch(step, a.batch_size // a.group_size)
-        params = dataclasses.replace(self.sampling, seed=self.config.run.seed * 1_000_003 + step)
-        return examples, self.rollouts.submit(self._encode(examples), params)
-
-    def rewards(
-        self, examples: list[Example], rollouts: list[Rollout]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Task scores [N] and the overlong penalty [N] (added to the scores to form rewards)."""
-        a = self.config.algo
-        scores = torch.tensor(
-            [self.reward_fn(r.text, examples[r.prompt_index].answer) for r in rollouts]
-        )
-        lengths = torch.tensor([len(r.response_ids) for r in rollouts])
-        return scores, algo.overlong_penalty(
-            lengths, a.max_response_tokens, a.overlong_buffer, a.overlong_penalty
-        )
-
     def train_step(self) -> dict[str, float]:
-        """Run one RL step (rollout, reward, correction, update, weight sync); returns its
-        metrics."""
-        c, step, t = self.config.algo, self.step, {}
+        """One RL step as its phases (`flashrl.rl.phases`): generate, score, update (trainer
+        logprobs, correction, policy loss), sync, record; returns the step's metrics."""
         start = time.perf_counter()
-        stale = int(step in self.pending)
-        examples, rollouts = self.rollout(step)
-        if self.config.rollout.workers.async_rollouts and step + 1 < self.config.run.steps:
-            # one step ahead: generated by the weights before this step's update
-            self.pending[step + 1] = self._submit(step + 1)
-        t["rollout"] = time.perf_counter() - start
-
-        mark = time.perf_counter()
-        scores, penalty = self.rewards(examples, rollouts)
-        rewards = scores + penalty
-        advantages = algo.group_advantages(rewards, c.group_size, c.advantage, c.norm_adv_by_std)
-        keep = (
-            algo.informative_groups(rewards, c.group_size)
-            if c.dynamic_sampling
-            else torch.ones(len(rollouts), dtype=torch.bool)
-        )
-        t["reward"] = time.perf_counter() - mark
-
-        metrics: dict[str, float] = {"step": step}
-        if self.config.rollout.workers.async_rollouts:
-            metrics["rollout/staleness"] = float(stale)
-        metrics.update(rollout_metrics(rollouts, scores, rewards, penalty, keep))
-        trainer_means: dict[int, float] = {}
-        if keep.any():
-            kept = [i for i, k in enumerate(keep.tolist()) if k]
-            batch = build_batch(  # a ReplayBatch when the rollouts carry routing
-                [rollouts[i] for i in kept], advantages[keep], self.device
-            )
-            update_metrics, means = self._update(batch, t)
-            metrics.update(update_metrics)
-            trainer_means = dict(zip(kept, means.tolist()))
-            mark = time.perf_counter()
-            sync = self.rollouts.sync(self.policy.named_parameters())
-            t["sync_total"] = time.perf_counter() - mark
-            if "bytes" in sync:
-                metrics["sync/bytes_sent"] = sync.pop("bytes")
-            for key in [k for k in sync if k.endswith("_changed_frac") or k.startswith("delta_")]:
-                metrics[f"sync/{key}"] = sync.pop(key)
-            t.update(sync)
-        else:
-            metrics["skipped_update"] = 1.0
-        t["step"] = time.perf_counter() - start
-        metrics.update({f"time/{k}": v for k, v in t.items()})
-        tokens = sum(len(r.response_ids) for r in rollouts)
-        metrics["throughput/rollout_tokens_per_s"] = tokens / max(t["rollout"], 1e-9)
-        metrics["memory/peak_gib"] = peak_memory_bytes(self.device) / 2**30
-        self._record_samples(examples, rollouts, scores, trainer_means)
+        generated = self.generator.generate(self.step)
+        scored = score(generated.examples, generated.rollouts, self.reward_fn, self.config.algo)
+        updated = synced = None
+        if scored.keep.any():  # else every group's rewards are equal (dynamic sampling): skip
+            updated = self.learner.update(generated.rollouts, scored, self.step)
+            synced = sync(self.rollouts, self.policy)
+        seconds = time.perf_counter() - start
+        result = StepResult(self.step, generated, scored, updated, synced, seconds)
+        metrics = record(result, self.config, self.device, self.tokenizer, self.samples_path)
         self.step += 1
         return metrics
-
-    def _record_samples(
-        self,
-        examples: list[Example],
-        rollouts: list[Rollout],
-        scores: torch.Tensor,
-        trainer_means: dict[int, float],
-    ) -> None:
-        r = self.config.run
-        if r.samples_per_step:
-            prompts = [self.tokenizer.decode(ids) for ids in self._encode(examples)]
-            record_samples(
-                self.samples_path,
-                collect(
-                    self.step,
-                    prompts,
-                    [ex.answer for ex in examples],
-                    rollouts,
-                    scores.tolist(),
-                    trainer_means,
-                    self.config.algo.group_size,
-                    r.samples_per_step,
-                ),
-                print_now=bool(r.print_samples_every) and self.step % r.print_samples_every == 0,
-            )
-
-    def _update(self, batch: Batch, t: dict[str, float]) -> tuple[dict[str, float], torch.Tensor]:
-        """The PPO update of `batch`: its metrics, and the trainer's mean logprob per row before
-        the update (for samples.jsonl)."""
-        mark = time.perf_counter()
-        self.policy.eval()
-        with torch.no_grad():
-            old, entropy = self._logprobs(self.policy, batch, with_entropy=True)
-            ref = self._logprobs(self.reference, batch)[0] if self.reference is not None else None
-        t["logprobs"] = time.perf_counter() - mark
-        # decoupled: PPO ratio against the trainer's own recompute, IS weights correct
-        # pi_old / pi_roll; bypass: the ratio is taken against the rollout logprobs and the weights
-        # only carry rejection
-        corr = compute_correction(old, batch.rollout_logprobs, batch.response_mask, self.correction)
-        ratio_base = old if self.correction.mode == "decoupled" else batch.rollout_logprobs
-        metrics = {f"rollout_corr/{k}": v for k, v in corr.metrics.items()}
-        mask = batch.response_mask.to(old.dtype)
-        means = (old * mask).sum(1).cpu() / mask.sum(1).clamp(min=1).cpu()
-        metrics["actor/entropy"] = (entropy * batch.response_mask).sum().item() / max(
-            batch.response_mask.sum().item(), 1
-        )
-
-        mark = time.perf_counter()
-        self.policy.train()
-        actor = ppo_update(
-            self.policy,
-            self.optimizer,
-            batch,
-            corr,
-            ratio_base,
-            ref,
-            lambda part: self._logprobs(self.policy, part)[0],
-            self.config.algo,
-            self.config.run.micro_batch_size,
-            self._lr(),
-        )
-        synchronize(self.device)
-        t["train"] = time.perf_counter() - mark
-        metrics.update({f"actor/{k}": v for k, v in actor.items()})
-        metrics["actor/lr"] = self._lr()
-        return metrics, means
-
-    def _logprobs(self, model, batch: Batch, with_entropy: bool = False):
-        outs, ents = [], []
-        micro = self.config.run.micro_batch_size
-        for start in range(0, len(batch), micro):
-            part = batch.select(slice(start, start + micro))
-            with replay_routing(model, getattr(part, "routed_experts", None)):
-                lp, ent = response_logprobs(model, part, self.sampling, with_entropy)
-            outs.append(lp)
-            ents.append(ent)
-        return torch.cat(outs), (torch.cat(ents) if with_entropy else None)
-
-    def _lr(self) -> float:
-        c = self.config.algo
-        if c.warmup_steps > 0 and self.step < c.warmup_steps:
-            return c.lr * (self.step + 1) / c.warmup_steps
-        return c.lr
 
     # ------------------------------------------------------------------ loop, checkpoints, outputs
 
@@ -343,7 +191,7 @@ class Trainer:
 
     def close(self) -> None:
         """Release the rollout workers (nothing to do in-process)."""
-        self.pending.clear()
+        self.generator.close()
         self.rollouts.close()
 
     def _loop(self, bar: tqdm, history: list[dict[str, float]]) -> None:
