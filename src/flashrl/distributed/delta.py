@@ -25,7 +25,7 @@ from (`ref_amax`). One sync:
    values travel, as (flat index, value) pairs.
 5. **Checksums** (`checksum`): after a sync every worker reports a checksum of the codes and scales
    it stores for each weight; the trainer compares them with its mirror's. A mismatch is logged as
-   a WARNING and those tensors are sent again whole (`delta_sync`); a second mismatch stops the run.
+   a WARNING and those tensors are sent again whole (`delta_update`); a second mismatch stops the run.
 
 The trainer's extra memory is one byte per quantized parameter (the mirror) plus one tensor's new
 codes; a worker's is the received pairs of one tensor. A resumed run starts with fresh scales.
@@ -306,18 +306,18 @@ class DeltaSender:
 
 
 Send = Callable[[list[TensorMeta], Iterator[torch.Tensor]], tuple[dict, list[dict]]]
-"""Broadcast tensors (metas, tensors) to every worker; returns the send stats (``bytes``) and
+"""Broadcast tensors (metas, tensors) to every worker; returns the send stats (``sent_bytes``) and
 each worker's result, whose ``checksums`` maps weight names to `checksum` values."""
 
 
-def delta_sync(
+def delta_update(
     sender: DeltaSender,
     named: Sequence[tuple[str, torch.Tensor]],
     quantized: dict[str, str],
     send: Send,
     dense: dict[str, str] | None = None,
 ) -> tuple[dict[str, float], list[dict]]:
-    """One delta sync through `send`, checked and repaired (module doc, point 5). Returns the
+    """One delta update through `send`, checked and repaired (module doc, point 5). Returns the
     stats (bytes, seconds, fractions) and the workers' results of the last broadcast."""
     start = time.perf_counter()
     named = [(n, t.detach()) for n, t in named]
@@ -325,7 +325,7 @@ def delta_sync(
     plan_s = time.perf_counter() - start
     sent, results = send(metas, sender.tensors(named, metas))
     bad = sender.mismatches(metas, [r.pop("checksums", {}) for r in results])
-    total, repaired = sent["bytes"], 0.0
+    total, repaired = sent["sent_bytes"], 0.0
     if bad:
         first = next(iter(bad))
         logger.warning(
@@ -337,7 +337,7 @@ def delta_sync(
         )
         repair = sender.full_metas(sorted(bad))
         again, results = send(repair, sender.tensors(named, repair))
-        total, repaired = total + again["bytes"], float(len(bad))
+        total, repaired = total + again["sent_bytes"], float(len(bad))
         still = sender.mismatches(repair, [r.pop("checksums", {}) for r in results])
         if still:
             raise WeightError(
@@ -345,5 +345,5 @@ def delta_sync(
                 f"{next(iter(still))!r}); the workers' weights cannot be trusted"
             )
     sender.confirm()
-    stats = {"sync/bytes": total, "plan_s": plan_s, "delta_repaired": repaired, **sender.stats}
+    stats = {"sent_bytes": total, "plan_s": plan_s, "delta_repaired": repaired, **sender.stats}
     return {**stats, "send_s": time.perf_counter() - start - plan_s}, results

@@ -94,15 +94,15 @@ class EngineSink:
         e = self.engine
         if meta.kind == "tensor" and self.mirror is not None and meta.name in self.dense:
             self.mirror[meta.name] = tensor.to(e.device, copy=True)
-            e.weights.apply(meta.name, self.mirror[meta.name], checked=True)
+            e.weights.update_tensor(meta.name, self.mirror[meta.name], checked=True)
         elif meta.kind == "tensor":
-            e.weights.apply(meta.name, tensor.to(e.device), checked=True)
+            e.weights.update_tensor(meta.name, tensor.to(e.device), checked=True)
         elif meta.kind == "values":
             if self.mirror is None or meta.name not in self.mirror:
                 raise WeightError(f"a dense delta of {meta.name!r} arrived before its whole value")
             index = self.parts.pop(meta.name)["index"]
             apply_values_(self.mirror[meta.name], index, tensor)
-            e.weights.apply(meta.name, self.mirror[meta.name], checked=True)
+            e.weights.update_tensor(meta.name, self.mirror[meta.name], checked=True)
         elif meta.kind != "scale":
             self.parts.setdefault(meta.name, {})[meta.kind] = tensor
         else:

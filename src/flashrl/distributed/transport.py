@@ -165,7 +165,7 @@ class BucketBroadcast:
         self.bucket = torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device)
 
     def send(self, tensors: Iterable[torch.Tensor]) -> dict[str, float]:
-        """Rank 0: broadcast every tensor's bytes; returns bytes sent and seconds."""
+        """Rank 0: broadcast every tensor's bytes; returns ``sent_bytes`` and ``send_s``."""
         start, fill, sent = time.perf_counter(), 0, 0
         size = self.bucket.numel()
         for t in tensors:
@@ -181,7 +181,7 @@ class BucketBroadcast:
         if fill:
             _broadcast(self.group, self.bucket[:fill])
             sent += fill
-        return {"bytes": float(sent), "send_s": time.perf_counter() - start}
+        return {"sent_bytes": float(sent), "send_s": time.perf_counter() - start}
 
     def receive(
         self, metas: Sequence[TensorMeta], sink: Callable[[TensorMeta, torch.Tensor], None]

@@ -63,7 +63,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         help="rollout throughput per precision (fixed output length)",
         description="Generate the same prompts with each scheme (EOS ignored, fixed "
         "output length) and report tokens/s, ratio to the first scheme, "
-        "TTFT, weight sync + requant time, memory.",
+        "TTFT, weight-update transfer and requantize time, memory.",
     )
     source = p.add_mutually_exclusive_group(required=True)
     add_fields(source, bench_tool.BenchConfig, only=("model", "random_weights"))

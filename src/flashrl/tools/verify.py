@@ -10,7 +10,7 @@ has the table of checks and tolerances, and why `logprobs` and `kv_cache` are tw
 - ``logprobs``: every sampled token's logprob vs a float64 recomputation from the logits the
   engine sampled from (observed with `Engine.add_sample_observer`);
 - ``kv_cache``: the cached decode path vs the engine's own no-cache forward;
-- ``vllm``: `WeightSync.push` into vLLM equals a fresh vLLM engine (`flashrl.tools.verify_vllm`).
+- ``vllm``: `WeightUpdater.update_weights` into vLLM equals a fresh vLLM engine (`flashrl.tools.verify_vllm`).
 
 A scheme that cannot run on the device is a SKIP row with the reason; a SKIP is not a PASS. Any
 exception inside a check is a FAIL row naming it. The checks are registered in `CHECKS` (name ->

@@ -46,9 +46,9 @@ PROCESSED_FLAG = "_already_called_process_weights_after_loading"
 _pending: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _stats: dict[str, float] = {
     "direct_tensors": 0,
-    "layers_committed": 0,
+    "layers_requantized": 0,
     "incomplete_groups": 0,
-    "commit_s": 0.0,
+    "requantize_s": 0.0,
 }
 _unlogged = {"layers": 0, "seconds": 0.0, "schemes": set()}
 """Quantizations since the last `on_step` log line (any load path)."""
@@ -63,12 +63,12 @@ def note_quantized(scheme: str, seconds: float) -> None:
 
 def load_stats(reset: bool = False) -> dict[str, float]:
     """Counters of direct loads in this process: ``direct_tensors`` (tensors staged),
-    ``layers_committed`` (layers re-quantized from staged tensors), ``incomplete_groups`` (layers
-    reported with missing shards), ``commit_s`` (seconds re-quantizing), ``pending_layers`` (layers
+    ``layers_requantized`` (layers re-quantized from staged tensors), ``incomplete_groups`` (layers
+    reported with missing shards), ``requantize_s`` (seconds re-quantizing), ``pending_layers`` (layers
     holding staged shards now). `reset` zeroes the counters after reading."""
     stats = {**_stats, "pending_layers": float(len(_pending))}
     if reset:
-        _stats.update(direct_tensors=0, layers_committed=0, incomplete_groups=0, commit_s=0.0)
+        _stats.update(direct_tensors=0, layers_requantized=0, incomplete_groups=0, requantize_s=0.0)
     return stats
 
 
@@ -135,12 +135,12 @@ def make_weight_loader(
     layer: torch.nn.Module,
     vllm_loader: Callable,
     new_staging_weight: Callable[[torch.nn.Module], torch.Tensor],
-    commit: Callable[[torch.nn.Module, torch.Tensor], None],
+    requantize: Callable[[torch.nn.Module, torch.Tensor], None],
 ) -> Callable:
     """The ``weight_loader`` of a flashrl-quantized layer's weight (see the module docstring).
 
     `new_staging_weight(layer)` makes a checkpoint-format parameter vLLM's loader can fill;
-    `commit(layer, weight)` re-quantizes the layer in place from a complete staged weight.
+    `requantize(layer, weight)` re-quantizes the layer in place from a complete staged weight.
     """
     layer_ref = weakref.ref(layer)
 
@@ -163,12 +163,11 @@ def make_weight_loader(
         _stats["direct_tensors"] += 1
         if staging.arrived >= set(shard_ids(owner)):
             start = time.perf_counter()
-            commit(owner, staging.weight.data)
+            requantize(owner, staging.weight.data)
             if staging.bias is not None:
                 owner.bias.data.copy_(staging.bias)
             clear_staging(owner)
-            _stats["layers_committed"] += 1
-            _stats["commit_s"] += time.perf_counter() - start
+            count_requantized(time.perf_counter() - start)
         return None
 
     return weight_loader
@@ -176,7 +175,7 @@ def make_weight_loader(
 
 def make_bias_loader(layer: torch.nn.Module, vllm_loader: Callable) -> Callable:
     """The ``weight_loader`` of a flashrl-quantized layer's bias: validated, and staged with the
-    weight while the layer waits for weight shards (committed with them), else loaded in place."""
+    weight while the layer waits for weight shards (written with them), else loaded in place."""
     layer_ref = weakref.ref(layer)
 
     def bias_loader(
@@ -230,14 +229,15 @@ def count_direct_tensor() -> None:
     _stats["direct_tensors"] += 1
 
 
-def count_commit(seconds: float) -> None:
-    """Count one group re-quantized from staged tensors (``layers_committed``, ``commit_s``)."""
-    _stats["layers_committed"] += 1
-    _stats["commit_s"] += seconds
+def count_requantized(seconds: float) -> None:
+    """Count one group re-quantized from staged tensors (``layers_requantized``,
+    ``requantize_s``)."""
+    _stats["layers_requantized"] += 1
+    _stats["requantize_s"] += seconds
 
 
 def clear_staging(layer: torch.nn.Module) -> None:
-    """Drop `layer`'s staged tensors (after a commit, or when a full reload supersedes them)."""
+    """Drop `layer`'s staged tensors (once re-quantized, or when a full reload supersedes them)."""
     if getattr(layer, "_flashrl_staging", None) is not None:
         layer._flashrl_staging = None
     _pending.discard(layer)
