@@ -92,12 +92,8 @@ class VLLMBackend:
 
         vLLM refuses ``n > 1`` with greedy sampling, so greedy requests are repeated instead.
         """
-        start = time.perf_counter()
-        if (
-            self.updater.kv.calibrated
-            and self.updater.kv.from_fallback
-            and self.updater.version == 0
-        ):
+        start, up = time.perf_counter(), self.updater
+        if up.kv.calibrated and up.kv.from_fallback and up.version == 0:
             self._stats["kv_calibration_s"] += self.updater.calibrate_kv(self._token_ids(prompts))
         repeat = params.n if params.greedy else 1
         requests = [self._prompt(p) for p in prompts for _ in range(repeat)]
