@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from flashrl.errors import ConfigError
 
 PAYLOADS = ("stream", "codes", "delta")
-"""What a weight sync sends (`flashrl.distributed.transport`)."""
+"""What a weight update sends (`flashrl.distributed.transport`)."""
 MAX_TIMEOUT_S = 1e7
 """The longest `WorkersConfig.timeout` (about 115 days): larger values overflow the timeouts of
 `datetime.timedelta`, sockets and Ray."""
@@ -47,20 +47,20 @@ class WorkersConfig:
     with scale hysteresis, only the changed ones sent, checksummed (docs/distributed.md)."""
     delta_scale_band: float = 0.05
     """'delta': a row keeps its scale while its amax stays within [(1 - band) * amax at its last
-    fresh scale, that amax]; 0: fresh scales at every sync (the 'codes' bits)."""
+    fresh scale, that amax]; 0: fresh scales at every update (the 'codes' bits)."""
     delta_full_every: int = 20
-    """'delta': every N-th sync sends all codes (0: only the first sync and checksum repairs)."""
+    """'delta': every N-th update sends all codes (0: only the first update and checksum repairs)."""
     bucket_mb: float = 64.0
-    """MiB per broadcast bucket (the peak extra memory of a sync)."""
+    """MiB per broadcast bucket (the peak extra memory of an update)."""
     timeout: float = 600.0
-    """Seconds a worker may take for one call (generate, sync) before the run stops naming it."""
+    """Seconds a worker may take for one call (generate, weight update) before the run stops naming it."""
     async_rollouts: bool = False
     """Generate step t+1 while step t trains (rollouts one step stale; needs count >= 1)."""
 
     def __post_init__(self) -> None:
         _integer(self, "count", 0, "0: generate in the trainer's process")
         _integer(self, "threads", 1, "torch threads per worker")
-        _integer(self, "delta_full_every", 0, "0: only the first sync and repairs")
+        _integer(self, "delta_full_every", 0, "0: only the first update and repairs")
         for name, (ok, allowed) in _RANGES.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):

@@ -31,7 +31,7 @@ class RolloutWorker:
         self.quantized = install.quantized_names(self.backend) if self.is_engine else {}
         self.dense = install.dense_dtypes(self.backend) if self.is_engine else {}
         self.dense_mirror: dict[str, torch.Tensor] = {}
-        """Unquantized weights as last received by a delta sync (patched by the next one)."""
+        """Unquantized weights as last received by a delta update (patched by the next one)."""
         self.broadcast: BucketBroadcast | None = None
         self.totals = dict.fromkeys(
             ("weight_updates", "weight_update_s", "requantize_s", "kv_calibration_s"), 0.0
@@ -61,16 +61,16 @@ class RolloutWorker:
         return self.index
 
     def receive(self, metas: list[TensorMeta], checksums: bool = False) -> dict[str, Any]:
-        """One sync over the group: validate `metas`, receive and install each tensor, then
+        """One weight update over the group: validate `metas`, receive and install each tensor, then
         recalibrate fp8 KV scales. Returns seconds (``weight_update_s`` in all, ``requantize_s``
         re-quantizing or, with trainer-quantized codes, writing them, ``kv_calibration_s``) and,
         with `checksums`, ``checksums``: the stored codes' and scales' checksum of every
-        quantized weight of the sync (a delta sync's check, `flashrl.distributed.delta`)."""
+        quantized weight of the update (a delta update's check, `flashrl.distributed.delta`)."""
         assert self.broadcast is not None, "join_group first"
         start = time.perf_counter()
         if self.is_engine:
             install.validate(self.backend, metas, self.quantized, self.dense)
-            mirror = self.dense_mirror if checksums else None  # a delta sync keeps the mirror
+            mirror = self.dense_mirror if checksums else None  # a delta update keeps the mirror
             sink = install.EngineSink(self.backend, self.dense, mirror)
             requant = self.broadcast.receive(metas, sink)
             kv = self._after_update()

@@ -1,4 +1,4 @@
-"""`Engine`: batched generation with exact logprobs over a quantized decoder, in-place weight sync.
+"""`Engine`: batched generation with exact logprobs over a quantized decoder, in-place weight update.
 
 A facade over small parts: `scheduler` (queue, admission into KV-cache slots, finish checks),
 `runner` (prefill and the decode step of `decode`: eager, bucketed or compiled), `sampler` (exact

@@ -266,7 +266,7 @@ def _bench_engine(
             [o.prompt_ids for o in outs], [o.response_ids for o in outs]
         )["kl"]
     new_weights = list(engine.random_weights(cfg.seed + 1))  # drawn first: only the update is timed
-    sync = engine.update_weights(new_weights)
+    update = engine.update_weights(new_weights)
     del new_weights
     capacity = _kv_capacity(engine, cfg.kv_budget_gib, kv_cache_dtype, max_len)
     steps = after["decode_steps"] - before["decode_steps"]
@@ -283,9 +283,9 @@ def _bench_engine(
         prefill_forwards=after["prefill_forwards"] - before["prefill_forwards"],
         decode_s=after["decode_s"] - before["decode_s"],
         decode_steps=steps,
-        transfer_s=sync["transfer_s"],
-        requantize_s=sync["requantize_s"],
-        kv_calibration_s=sync["kv_calibration_s"],
+        transfer_s=update["transfer_s"],
+        requantize_s=update["requantize_s"],
+        kv_calibration_s=update["kv_calibration_s"],
         weight_gib=after["weight_bytes"] / 2**30,
         kv_gib=after["kv_cache_bytes"] / 2**30,
         kv_bytes_per_token=after["kv_bytes_per_token"],

@@ -159,7 +159,7 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
         "verify",
         help="deterministic self-test of the install on this device (PASS/FAIL)",
         description="Check this install on this device with tiny built-in "
-        "models: GEMM kernels vs references, reload exactness (update "
+        "models: GEMM kernels vs references, update exactness (update "
         "vs fresh load), logprob exactness vs float64 recomputation, "
         "KV-cache path vs full forward, and the vLLM backend if "
         "installed. Exits 1 if any check fails; SKIP rows (e.g. a "

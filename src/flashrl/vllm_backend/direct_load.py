@@ -1,6 +1,6 @@
 """Direct ``model.load_weights`` into flashrl-quantized vLLM layers: validate, stage, re-quantize.
 
-RL trainers push new weights by calling the vLLM model's ``load_weights`` themselves, outside
+RL trainers update weights by calling the vLLM model's ``load_weights`` themselves, outside
 vLLM's layerwise reload: TRL colocate and OpenRLHF one tensor per call, verl all tensors in one
 call (shared/reference/vllm.md section 2.2b). Without help, such a load reaches a quantized
 layer's *code* parameter with a float checkpoint tensor: fused layers fail vLLM's shape assert,
@@ -21,7 +21,7 @@ flashrl's linear method therefore installs its own ``weight_loader`` on every pa
 A layer whose shards never all arrive keeps its previous weights whole (never half old, half
 new). `report_pending` logs a warning per such layer naming the missing shards and counts it in
 `load_stats()["incomplete_groups"]`; flashrl's LM-head method calls it before every logits
-computation, which vLLM runs eagerly, so a sync that ends incomplete is reported at the next
+computation, which vLLM runs eagerly, so an update that ends incomplete is reported at the next
 generation step.
 """
 
@@ -84,7 +84,7 @@ def check_incoming(tensor: Any, name: str) -> None:
     if tensor.is_meta:
         raise WeightError(f"{name}: tensor is on the meta device (no data)")
     # amax and amin propagate NaN and carry +-Inf: two reductions, no tensor-sized temporary
-    # (an isfinite mask cost a third of a sync at 0.5B dims). The full count runs only on failure.
+    # (an isfinite mask cost a third of an update at 0.5B dims). The full count runs only on failure.
     if tensor.numel() and not bool(
         torch.isfinite(torch.stack([tensor.amax(), tensor.amin()])).all()
     ):
@@ -272,7 +272,7 @@ def report_pending() -> int:
             missing = [s for s in shard_ids(layer) if s not in staging.arrived]
         logger.warning(
             "%s: incomplete weight update: received shard(s) %s but not %s; the layer keeps its previous "
-            "weights until all of them arrive (send q/k/v and gate/up together every sync)",
+            "weights until all of them arrive (send q/k/v and gate/up together every update)",
             _name(layer, "weight"),
             sorted(map(str, staging.arrived)),
             [str(s) for s in missing],

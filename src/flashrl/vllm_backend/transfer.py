@@ -166,7 +166,7 @@ class FlashRLWorkerExtension:
     ) -> int:
         """Set the FP8 KV-cache scales of every attention layer (one value per decoder layer, or one
         for all), in place; returns how many layers were set. vLLM resets hand-set scales to 1.0 on
-        every reload, so `WeightUpdater` calls this after each push."""
+        every reload, so `WeightUpdater` calls this after each update."""
         from flashrl.vllm_backend.kv_scales import set_attention_kv_scales
 
         return set_attention_kv_scales(self.model_runner.get_model(), k_scales, v_scales, q_scales)
