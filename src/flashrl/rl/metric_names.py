@@ -1,6 +1,6 @@
 """Old metrics.jsonl keys -> today's, for reading run directories written before the stats schema.
 
-Until the commit "one stats schema with units in the names" (issue 25, part 6) the trainer wrote
+Until commit 962827e ("one stats schema with units in the names", issue 25 part 6) the trainer wrote
 durations without a unit (``time/rollout``), called the whole weight update ``time/sync_total``
 and its transfer part ``time/sync``, and grouped the update's other numbers under ``sync/``. Runs
 written then (a benchmark sweep, an old checkpoint's directory, a resumed run's first steps) still
