@@ -29,7 +29,7 @@ import time
 import torch
 
 from _common import device_name, format_table, write_json
-from flashrl.distributed.delta import DeltaSender, delta_sync
+from flashrl.distributed.delta import DeltaSender, delta_update
 from flashrl.distributed.dense_delta import bit_view
 from flashrl.distributed.install import stored_codes
 from flashrl.distributed.worker import RolloutWorker
@@ -67,7 +67,7 @@ def loopback(worker: RolloutWorker, seen: dict):
         start = time.perf_counter()
         result = worker.receive(metas, checksums=True)
         seen["apply_s"] = time.perf_counter() - start
-        return {"bytes": float(sum(t.numel() * t.element_size() for t in wire))}, [result]
+        return {"sent_bytes": float(sum(t.numel() * t.element_size() for t in wire))}, [result]
 
     return send
 
@@ -92,7 +92,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results/delta_sync.json")
+    p.add_argument("--out", default="benchmarks/results/delta_update.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
@@ -115,11 +115,11 @@ def main() -> None:
         for band, worker in workers.items():
             seen: dict = {}
             if band:  # the fp32 master as it is: rounded to the worker's dtypes by the sender
-                out, _ = delta_sync(
+                out, _ = delta_update(
                     senders[band], master, quantized, loopback(worker, seen), worker.dense
                 )
             else:
-                out, _ = delta_sync(senders[band], named, quantized, loopback(worker, seen))
+                out, _ = delta_update(senders[band], named, quantized, loopback(worker, seen))
             check_mirror(worker, senders[band])
             tag = "b0" if band == 0 else "b05"
             row[f"changed_{tag}"] = out["delta_changed_frac"]
@@ -128,7 +128,7 @@ def main() -> None:
                 row["dense_changed"] = out["delta_dense_changed_frac"]
                 row["delta_codes_bytes"] = seen["codes_bytes"]
                 row["delta_dense_bytes"] = seen["dense_bytes"]
-                row["delta_bytes"] = out["sync/bytes"]
+                row["delta_bytes"] = out["sent_bytes"]
                 row["encode_s"], row["apply_s"] = out["plan_s"], seen["apply_s"]
             else:
                 row["delta_b0_codes_bytes"] = seen["codes_bytes"]

@@ -32,7 +32,8 @@ from _common import format_table, time_fn, write_json
 from flashrl.rl.config_build import build_config
 from flashrl.rl.trainer import Trainer, read_metrics
 
-PHASES = ("rollout", "logprobs", "train", "sync_total", "sync", "requant", "step")
+PHASES = ("rollout", "logprobs", "train", "weight_update", "transfer", "requantize", "step")
+"""Trainer phases: the `time/<phase>_s` keys of metrics.jsonl."""
 
 
 def run_steps(args: argparse.Namespace, workers: int, root: Path) -> dict:
@@ -57,8 +58,8 @@ def summarize(workers: int, threads: int, rows: list[dict]) -> dict:
     """The median over the steps of every round of each phase's time."""
     out = {"workers": workers, "worker_threads": threads if workers else 0, "steps": len(rows)}
     for phase in PHASES:
-        out[phase] = statistics.median(r.get(f"time/{phase}", 0.0) for r in rows)
-    out["bytes"] = statistics.median(r.get("sync/bytes_sent", 0.0) for r in rows)
+        out[phase] = statistics.median(r.get(f"time/{phase}_s", 0.0) for r in rows)
+    out["bytes"] = statistics.median(r.get("weight_update/sent_bytes", 0.0) for r in rows)
     return out
 
 
@@ -123,18 +124,20 @@ def part_sync(args: argparse.Namespace) -> dict:
             pool.config = dataclasses.replace(pool.config, payload=payload)
             for _ in range(args.repeat):
                 start = time.perf_counter()
-                out = pool.sync(named)
+                out = pool.update_weights(named)
                 wall = time.perf_counter() - start
                 rows.append(
                     {
                         "payload": payload,
-                        "bytes": out["sync/bytes"],
+                        "bytes": out["sent_bytes"],
                         "wall_s": wall,
                         "check_s": out["plan_s"],
                         "send_s": out["send_s"],
-                        "worker_sync_s": max(v for k, v in out.items() if k.endswith("/sync_s")),
-                        "worker_requant_s": out["requant_s"],
-                        "GB_per_s": out["sync/bytes"] / wall / 1e9,
+                        "worker_sync_s": max(
+                            v for k, v in out.items() if k.endswith("/weight_update_s")
+                        ),
+                        "worker_requant_s": out["requantize_s"],
+                        "GB_per_s": out["sent_bytes"] / wall / 1e9,
                     }
                 )
             for state in pool.call("state"):

@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from flashrl.rl.checkpoint import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = ("time", "throughput", "memory")
 SPELLINGS = (
@@ -54,9 +56,7 @@ def run_rev(rev: str, work: Path, steps: int) -> dict:
         bench = [sys.executable, "-m", "flashrl.cli", "bench", "--random-weights", "tiny-bench",
                  "--out", str(out / "bench.json"), "--threads", "1"]  # fmt: skip
         subprocess.run(bench, check=True, env=env, cwd=out, capture_output=True)
-        rows = [
-            json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
-        ]
+        rows = read_metrics(out / "run" / "metrics.jsonl")  # an older revision's keys renamed
         return {"rows": rows, "bench": json.loads((out / "bench.json").read_text())}
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],

@@ -20,7 +20,7 @@ compare on a shared machine).
 Sync rows (``--sync``), on the flashrl_int8 engine, with the checkpoint's own state dict (tied
 embedding sent once, as a trainer's ``named_parameters()`` gives it): ``trl`` (one
 ``model.load_weights([(name, t)])`` per tensor), ``verl`` (one ``model.load_weights(list)``),
-``weight_sync`` (`flashrl.vllm_backend.WeightSync.push`), ``reload`` (vLLM's
+``weight_sync`` (`flashrl.vllm_backend.WeightUpdater.update_weights`), ``reload`` (vLLM's
 ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``), against ``copy`` (``copy_``
 of every tensor into a preallocated buffer of the same dtype). Each sync path ends with
 ``llm.reset_prefix_cache()`` as trainers do.
@@ -262,7 +262,7 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
     import vllm
     from safetensors.torch import load_file
 
-    from flashrl.vllm_backend import WeightSync, direct_load, quant_methods
+    from flashrl.vllm_backend import WeightUpdater, direct_load, quant_methods
 
     llm = row.llm
     model = llm.apply_model(lambda m: m)[0]
@@ -272,7 +272,7 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
     ]
     nbytes = sum(t.numel() * t.element_size() for _, t in state)
     buffers = [torch.empty_like(t) for _, t in state]
-    sync = WeightSync(llm) if "weight_sync" in args.sync_paths else None
+    sync = WeightUpdater(llm) if "weight_sync" in args.sync_paths else None
     check = vllm.SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, logprobs=0)
     check_prompts = [
         {"prompt_token_ids": list(range(10, 40))},
@@ -295,7 +295,7 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
 
     def run(path: str) -> dict[str, float]:
         direct_load.load_stats(reset=True)
-        quant_methods.pop_requant_stats()
+        quant_methods.pop_requantize_stats()
         extra: dict[str, float] = {}
         start = time.perf_counter()
         if path == "copy":
@@ -307,22 +307,22 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
         elif path == "verl":
             model.load_weights(state)
         elif path == "weight_sync":
-            timings = sync.push(state)
-            extra = {"requant_s": timings["requant_s"], "layers": timings["layers_requantized"]}
+            timings = sync.update_weights(state)
+            extra = {"requant_s": timings["requantize_s"], "layers": timings["layers_requantized"]}
         elif path == "reload":
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state)})
         if path != "copy":
             llm.reset_prefix_cache()
         seconds = time.perf_counter() - start
-        stats, requant = direct_load.load_stats(reset=True), quant_methods.pop_requant_stats()
+        stats, requant = direct_load.load_stats(reset=True), quant_methods.pop_requantize_stats()
         if path in ("trl", "verl"):
             extra = {
-                "commit_s": stats["commit_s"],
-                "layers": stats["layers_committed"],
-                "requant_s": requant["requant_s"],
+                "commit_s": stats["requantize_s"],
+                "layers": stats["layers_requantized"],
+                "requant_s": requant["requantize_s"],
             }
         elif path == "reload":
-            extra = {"requant_s": requant["requant_s"], "layers": requant["layers_requantized"]}
+            extra = {"requant_s": requant["requantize_s"], "layers": requant["layers_requantized"]}
         return {"s": seconds, **extra}
 
     paths = [*args.sync_paths, "copy"]

@@ -6,7 +6,7 @@ character tokenizer (nothing is downloaded) and loaded by in-process engines: ``
 CPU MoE kernel) and ``flashrl_<scheme>`` (flashrl's reference expert GEMMs on CPU, see
 docs/vllm.md). Per row: ``tok_s`` = generated tokens / ``LLM.generate`` wall time (``--batch``
 prompts of 16 random ids, ``--output-len`` tokens, T = 1, EOS ignored; median of ``--repeats``
-after a warm-up), then `WeightSync.push` of the checkpoint's state dict (median of ``--repeats``):
+after a warm-up), then `WeightUpdater.update_weights` of the checkpoint's state dict (median of ``--repeats``):
 ``requant_s`` (quantizing, every layer), ``transfer_s`` (loading, the rest) and ``copy_s``
 (``copy_`` of every tensor into a preallocated buffer: the floor of any sync). ``expert_mb``: bytes
 of the expert tensors in the engine (codes and scales, or bf16).
@@ -56,7 +56,7 @@ def main() -> None:
     import torch
     import vllm
 
-    from flashrl.vllm_backend import WeightSync, engine_kwargs
+    from flashrl.vllm_backend import WeightUpdater, engine_kwargs
     from flashrl.vllm_backend.testing import load_state_dict, save_tiny_moe_model
 
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-moe-"))
@@ -69,7 +69,7 @@ def main() -> None:
     for row in args.rows.split(","):
         kwargs = engine_kwargs(row)
         results.append(
-            {"row": row, **measure(vllm, kwargs, WeightSync, path, state, prompts, args)}
+            {"row": row, **measure(vllm, kwargs, WeightUpdater, path, state, prompts, args)}
         )
     print(format_table(results, list(results[0])))
     if args.json:
@@ -77,9 +77,9 @@ def main() -> None:
 
 
 def measure(
-    vllm: Any, kwargs: dict, WeightSync: Any, path: Path, state: dict, prompts: list, args: Any
+    vllm: Any, kwargs: dict, WeightUpdater: Any, path: Path, state: dict, prompts: list, args: Any
 ) -> dict[str, float]:
-    """One row: decode tokens/s, WeightSync push split, copy floor, expert bytes."""
+    """One row: decode tokens/s, WeightUpdater update split, copy floor, expert bytes."""
     import torch
 
     params = vllm.SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
@@ -98,8 +98,8 @@ def measure(
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         walls.append(time.perf_counter() - start)
-    sync = WeightSync(llm)
-    pushes = [sync.push(state.items()) for _ in range(args.repeats)]
+    sync = WeightUpdater(llm)
+    updates = [sync.update_weights(state.items()) for _ in range(args.repeats)]
     buffers = {n: torch.empty_like(t) for n, t in state.items()}
     copies = []
     for _ in range(args.repeats):
@@ -110,11 +110,11 @@ def measure(
     llm.llm_engine.engine_core.shutdown()
     return {
         "tok_s": args.batch * args.output_len / statistics.median(walls),
-        "requant_s": statistics.median(p["requant_s"] for p in pushes),
-        "transfer_s": statistics.median(p["transfer_s"] for p in pushes),
+        "requant_s": statistics.median(p["requantize_s"] for p in updates),
+        "transfer_s": statistics.median(p["transfer_s"] for p in updates),
         "copy_s": statistics.median(copies),
         "expert_mb": expert_bytes / 2**20,
-        "layers_requantized": pushes[-1]["layers_requantized"],
+        "layers_requantized": updates[-1]["layers_requantized"],
     }
 
 

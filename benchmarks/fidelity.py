@@ -19,9 +19,10 @@ again. A failed run is reported (exit code, end of its log), the sweep goes on, 
 The report is written every time, also after a partial sweep: per variant the seeds done, start
 reward, final reward (mean of the last 10% of steps per seed; mean and standard error over seeds),
 whether it is within 2 SE of fp32, mismatch KL and k3 (all steps and last 10%), truncation rate,
-response length, fraction of rollout weights changed per sync, s/step (rollout / train / sync); as
-JSON (with per-step curves: mean and SE over seeds), a Markdown table and a PNG (one panel per metric,
-a line with a +-1 SE band per variant). Defaults: benchmarks/results/fidelity.{json,md,png}.
+response length, fraction of rollout weights changed per weight update, s/step (rollout / train /
+weight update); as JSON (with per-step curves: mean and SE over seeds), a Markdown table and a PNG
+(one panel per metric, a line with a +-1 SE band per variant). Defaults:
+benchmarks/results/fidelity.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -49,13 +50,18 @@ PANELS = [  # (curve name, metrics.jsonl key, panel title, log scale)
     ("reward", "reward/mean", "mean reward", False),
     ("kl", "rollout_corr/kl", "mismatch KL (rollout vs trainer; <= 0 not shown)", True),
     ("k3", "rollout_corr/k3_kl", "mismatch KL, k3 estimator", True),
-    ("weights_changed_frac", "sync/weights_changed_frac", "weights changed per sync", False),
+    (
+        "weights_changed_frac",
+        "weight_update/weights_changed_frac",
+        "weights changed per update",
+        False,
+    ),
     ("truncated_frac", "response/truncated_frac", "truncation rate", False),
     ("length", "response/length_mean", "mean response length (tokens)", False),
 ]
 COLUMNS = ["variant", "seeds", "partial", "start", "final", "se", "diff_fp32", "within_2se",
            "kl", "kl_last", "k3", "k3_last", "trunc", "length", "w_changed", "codes_changed",
-           "dense_changed", "step_s", "rollout_s", "train_s", "sync_s"]  # fmt: skip
+           "dense_changed", "step_s", "rollout_s", "train_s", "weight_update_s"]  # fmt: skip
 Run = list[dict[str, Any]]  # the metrics.jsonl rows of one run, sorted by step
 
 
@@ -209,13 +215,13 @@ def variant_row(name: str, seeds: dict[int, Run], steps: int) -> dict[str, Any]:
         "k3_last": over("rollout_corr/k3_kl", last),
         "trunc": over("response/truncated_frac"),
         "length": over("response/length_mean"),
-        "w_changed": over("sync/weights_changed_frac"),
-        "codes_changed": over("sync/codes_changed_frac"),
-        "dense_changed": over("sync/dense_changed_frac"),
-        "step_s": over("time/step"),
-        "rollout_s": over("time/rollout"),
-        "train_s": over("time/logprobs") + over("time/train"),
-        "sync_s": over("time/sync_total"),
+        "w_changed": over("weight_update/weights_changed_frac"),
+        "codes_changed": over("weight_update/codes_changed_frac"),
+        "dense_changed": over("weight_update/dense_changed_frac"),
+        "step_s": over("time/step_s"),
+        "rollout_s": over("time/rollout_s"),
+        "train_s": over("time/logprobs_s") + over("time/train_s"),
+        "weight_update_s": over("time/weight_update_s"),
     }
 
 
@@ -271,7 +277,7 @@ def markdown(rows: list[dict[str, Any]], config: dict[str, Any]) -> str:
         f"reward of step 0; final: mean reward over the last {last} steps, mean over seeds, se: "
         f"its standard error; within_2se: |final - final(fp32)| <= 2 sqrt(se^2 + se_fp32^2); kl, "
         f"k3: mismatch KL rollout vs trainer, all steps / last {last}; w_changed: fraction of "
-        f"rollout weights whose stored value changed per sync; *_s: seconds per step (train = "
+        f"rollout weights whose stored value changed per weight update; *_s: seconds per step (train = "
         f"logprobs + update).\n"
     )
 

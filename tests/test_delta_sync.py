@@ -17,7 +17,7 @@ from flashrl.distributed.delta import (
     DeltaSender,
     _words_checksum,
     checksum,
-    delta_sync,
+    delta_update,
     hysteresis_scales,
     quantize_with_scales,
 )
@@ -177,7 +177,7 @@ def loopback(worker: RolloutWorker, corrupt=None):
         if corrupt is not None:
             corrupt(metas, wire)
         worker.broadcast = Replay(wire)
-        sent = {"bytes": float(sum(t.numel() * t.element_size() for t in wire)), "send_s": 0.0}
+        sent = {"sent_bytes": float(sum(t.numel() * t.element_size() for t in wire)), "send_s": 0.0}
         return sent, [worker.receive(metas, checksums=True)]
 
     return send
@@ -220,12 +220,12 @@ def test_fifty_delta_steps_equal_a_full_sync_with_the_same_scales(tiny, quant):
     for step in range(52):
         if step:
             named = adam_like_step(named, g, lr=1e-3, bump=step in (10, 30, 45))
-        out, _ = delta_sync(delta, named, quantized, loopback(delta_worker))
-        ref, _ = delta_sync(full, named, quantized, loopback(full_worker))
+        out, _ = delta_update(delta, named, quantized, loopback(delta_worker))
+        ref, _ = delta_update(full, named, quantized, loopback(full_worker))
         assert out["delta_repaired"] == 0 and out["delta_full"] == float(step % 20 == 0)
         assert_same_state(quantized_state(delta_worker), quantized_state(full_worker))
         fractions.append(out["delta_changed_frac"])
-        ratios.append(out["sync/bytes"] / ref["sync/bytes"])
+        ratios.append(out["sent_bytes"] / ref["sent_bytes"])
         if step % 10 == 3:  # the codes are the reference encoding of the trainer's weights
             state, weights = quantized_state(delta_worker), dict(named)
             m = delta.mirrors["model.layers.1.mlp.down_proj.weight"]
@@ -253,12 +253,12 @@ def test_a_corrupted_delta_is_detected_and_repaired(tiny, caplog):
                 return
 
     g = torch.Generator().manual_seed(5)
-    delta_sync(sender, named, worker.quantized, loopback(worker))
-    delta_sync(full, named, worker.quantized, loopback(reference))
+    delta_update(sender, named, worker.quantized, loopback(worker))
+    delta_update(full, named, worker.quantized, loopback(reference))
     named = adam_like_step(named, g, lr=1e-3)
     with caplog.at_level(logging.WARNING, logger="flashrl.distributed.delta"):
-        out, _ = delta_sync(sender, named, worker.quantized, loopback(worker, flip_a_code))
-    delta_sync(full, named, worker.quantized, loopback(reference))
+        out, _ = delta_update(sender, named, worker.quantized, loopback(worker, flip_a_code))
+    delta_update(full, named, worker.quantized, loopback(reference))
     assert out["delta_repaired"] == 1 and out["delta_full"] == 0
     assert "checksum mismatch" in caplog.text and "resending them whole" in caplog.text
     assert_same_state(quantized_state(worker), quantized_state(reference))
@@ -268,8 +268,8 @@ def test_a_corrupted_delta_is_detected_and_repaired(tiny, caplog):
     caplog.clear()
     named = adam_like_step(named, g, lr=1e-3)
     with caplog.at_level(logging.WARNING, logger="flashrl.distributed.delta"):
-        out, _ = delta_sync(sender, named, worker.quantized, loopback(worker))
-    delta_sync(full, named, worker.quantized, loopback(reference))
+        out, _ = delta_update(sender, named, worker.quantized, loopback(worker))
+    delta_update(full, named, worker.quantized, loopback(reference))
     assert out["delta_repaired"] == 1 and "'model.layers.0.self_attn.k_proj.weight'" in caplog.text
     assert_same_state(quantized_state(worker), quantized_state(reference))
 
@@ -278,7 +278,7 @@ def test_a_repair_that_fails_again_stops_the_run(tiny):
     named = [(n, t.float()) for n, t in iter_checkpoint(tiny)]
     worker = RolloutWorker(engine_factory(tiny), 0)
     sender = DeltaSender(band=0.05, full_every=0)
-    delta_sync(sender, named, worker.quantized, loopback(worker))
+    delta_update(sender, named, worker.quantized, loopback(worker))
 
     def always(metas, wire):
         for meta, t in zip(metas, wire, strict=True):
@@ -287,7 +287,7 @@ def test_a_repair_that_fails_again_stops_the_run(tiny):
 
     named = adam_like_step(named, torch.Generator().manual_seed(6), lr=1e-3)
     with pytest.raises(WeightError, match="still differ after a full resend"):
-        delta_sync(sender, named, worker.quantized, loopback(worker, always))
+        delta_update(sender, named, worker.quantized, loopback(worker, always))
     assert sender.needs_full  # an unconfirmed sync makes the next one full
 
 
@@ -370,7 +370,7 @@ def test_gloo_delta_sync_band_zero_matches_an_in_process_update(tiny, caplog):
             if step == 4:  # behind the sync's back: the workers load other weights
                 pool.call("update_weights", [(n, -t) for n, t in named if "down" in n])
             with caplog.at_level(logging.WARNING, logger="flashrl.distributed.delta"):
-                out = pool.sync(named)
+                out = pool.update_weights(named)
             reference.update_weights(named)
             stats.append(out)
             expected = reference.model.state_dict()
@@ -383,9 +383,9 @@ def test_gloo_delta_sync_band_zero_matches_an_in_process_update(tiny, caplog):
     assert [s["delta_full"] for s in stats] == [1.0, 0.0, 0.0, 1.0, 0.0]
     assert [s["delta_repaired"] for s in stats] == [0, 0, 0, 0, 2]  # two down_proj weights
     assert "checksum mismatch" in caplog.text and "worker(s) [0, 1]" in caplog.text
-    full, code_bytes = stats[0]["sync/bytes"], sum(t.numel() for n, t in named if n in quantized)
-    assert stats[3]["sync/bytes"] == full  # a full sync: the codes payload's bytes
-    assert full - stats[1]["sync/bytes"] > 0.5 * code_bytes  # most code bytes stay home
+    full, code_bytes = stats[0]["sent_bytes"], sum(t.numel() for n, t in named if n in quantized)
+    assert stats[3]["sent_bytes"] == full  # a full sync: the codes payload's bytes
+    assert full - stats[1]["sent_bytes"] > 0.5 * code_bytes  # most code bytes stay home
 
 
 # ------------------------------------------------------------------------------------ dense deltas
@@ -433,7 +433,7 @@ def test_dense_weights_travel_as_deltas_and_store_what_a_full_sync_stores(tmp_pa
             metas.extend(metas_)
             return send(metas_, tensors)
 
-        out, _ = delta_sync(sender, named, worker.quantized, record, worker.dense)
+        out, _ = delta_update(sender, named, worker.quantized, record, worker.dense)
         plain.update_weights(named)
         assert out["delta_repaired"] == 0
         a, b = dense_state(worker), dense_state(plain)
@@ -453,7 +453,7 @@ def test_a_corrupted_dense_delta_is_repaired(tmp_path, caplog):
     named = [(n, t.float()) for n, t in iter_checkpoint(path)]
     worker, plain = (RolloutWorker(dense_engine_factory(path), i) for i in (0, 1))
     sender = DeltaSender(band=0.05, full_every=0)
-    delta_sync(sender, named, worker.quantized, loopback(worker), worker.dense)
+    delta_update(sender, named, worker.quantized, loopback(worker), worker.dense)
 
     def flip_a_value(metas, wire):
         for meta, t in zip(metas, wire, strict=True):
@@ -463,7 +463,7 @@ def test_a_corrupted_dense_delta_is_repaired(tmp_path, caplog):
 
     named = adam_like_step(named, torch.Generator().manual_seed(8), lr=3e-4)
     with caplog.at_level(logging.WARNING, logger="flashrl.distributed.delta"):
-        out, _ = delta_sync(
+        out, _ = delta_update(
             sender, named, worker.quantized, loopback(worker, flip_a_value), worker.dense
         )
     plain.update_weights(named)

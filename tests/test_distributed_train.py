@@ -18,7 +18,7 @@ from flashrl.testing import save_tiny_model
 from shorthand import dotted
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_instance")]
-LAYOUT = ("time/", "throughput/", "memory/", "sync/")
+LAYOUT = ("time/", "throughput/", "memory/", "weight_update/")
 """Metric prefixes that describe the machine, not what the run computed."""
 
 
@@ -86,7 +86,10 @@ def test_workers_give_the_bits_of_the_in_process_run(policy_dir, tmp_path, quant
     assert computed(one.metrics_path) == expected
     assert computed(resumed.metrics_path) == expected
     two_metrics = read_metrics(resumed.metrics_path)
-    assert all(m["sync/bytes_sent"] > 0 and "time/sync/worker1" in m for m in two_metrics)
+    assert all(
+        m["weight_update/sent_bytes"] > 0 and "time/worker1/weight_update_s" in m
+        for m in two_metrics
+    )
     for (name, p), q, r in zip(
         local.policy.named_parameters(), one.policy.parameters(), resumed.policy.parameters()
     ):

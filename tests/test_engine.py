@@ -271,7 +271,7 @@ def test_update_weights_equals_fresh_engine(scheme, tiny_models, tmp_path, gen):
     )
     assert pointers(e) == before, "storage moved during update_weights"
     assert torch.equal(e.logits(ids), engine(perturbed, rollout_config=scheme).logits(ids))
-    assert timing["requant_s"] >= 0 and timing["tensors"] == len(state)
+    assert timing["requantize_s"] >= 0 and timing["tensors"] == len(state)
     if scheme != "bf16":
         assert 0 < timing["codes_changed_frac"] <= 1
 

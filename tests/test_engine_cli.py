@@ -126,7 +126,7 @@ def test_bench_cli_prints_the_table_and_writes_json(tiny_models, tmp_path, capsy
             row["tokens"] == 3 * 4 and row["decode_steps"] == 3
         )  # the first token comes from the prefill
         assert row["prefill_forwards"] == 2  # 10 padded tokens per forward: 5-token prompts 2 + 1
-        assert row["tokens_per_s"] > 0 and row["ttft_s"] > 0 and row["requant_s"] > 0
+        assert row["tokens_per_s"] > 0 and row["ttft_s"] > 0 and row["requantize_s"] > 0
         assert 0 < row["vs_floor"]
     assert result["config"]["max_prefill_tokens"] == 10 and result["device"]
 

@@ -595,5 +595,5 @@ def test_bench_reports_kv_rows_capacity_and_mismatch(tiny_models, tmp_path):
     assert by_kv["fp8"]["max_sequences"] >= 2 * by_kv["bf16"]["max_sequences"] - 1
     assert by_kv["bf16"]["max_sequences"] == (1 << 20) // (512 * 24)
     assert by_kv["bf16"]["kv_kl"] == 0 and 0 < by_kv["fp8"]["kv_kl"] < 0.05
-    assert by_kv["fp8"]["kv_calib_s"] > 0
+    assert by_kv["fp8"]["kv_calibration_s"] > 0
     json.dumps(rows)

@@ -18,7 +18,7 @@ from flashrl.rl.config_build import build_config
 from flashrl.rl.data import Example
 from flashrl.rl.phases.generate import Generator
 from flashrl.rl.phases.score import score
-from flashrl.rl.phases.sync import sync
+from flashrl.rl.phases.weight_update import update_rollout_weights
 from flashrl.rl.phases.update import Learner
 from flashrl.rl.trainer import Trainer
 from flashrl.testing import save_tiny_model
@@ -72,17 +72,17 @@ def test_score_keeps_every_row_without_dynamic_sampling_and_rloo_scales():
     assert s.advantages.tolist()[4:] == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3])
 
 
-# ------------------------------------------------------------------------------------ sync
+# --------------------------------------------------------------------------- weight update
 
 
 class FakeRollouts:
-    """A rollout source that records what it is sent and returns fixed sync stats."""
+    """A rollout source that records what it is sent and returns fixed weight-update stats."""
 
     def __init__(self, stats: dict | None = None) -> None:
-        self.stats, self.synced, self.submitted = stats or {}, [], []
+        self.stats, self.updated, self.submitted = stats or {}, [], []
 
-    def sync(self, named):
-        self.synced.append([name for name, _ in named])
+    def update_weights(self, named):
+        self.updated.append([name for name, _ in named])
         return dict(self.stats)
 
     def submit(self, ids, params):
@@ -94,18 +94,21 @@ class FakeRollouts:
         return [rollout("r", 1, i) for i in range(len(ids))]
 
 
-def test_sync_splits_the_sources_stats_into_metrics_and_times():
-    stats = {"sync": 0.1, "requant": 0.2, "kv_calibration": 0.0, "bytes": 123.0}
-    stats |= {"q_changed_frac": 0.5, "delta_codes_frac": 0.25, "sync/worker0": 0.05}
+def test_weight_update_splits_the_sources_stats_into_metrics_and_times():
+    stats = {"transfer_s": 0.1, "requantize_s": 0.2, "kv_calibration_s": 0.0, "sent_bytes": 123.0}
+    stats |= {"q_changed_frac": 0.5, "delta_codes_frac": 0.25, "worker0/weight_update_s": 0.05}
     source = FakeRollouts(stats)
-    synced = sync(source, torch.nn.Linear(2, 2))
-    assert source.synced == [["weight", "bias"]]
-    assert synced.metrics == {
-        "sync/bytes_sent": 123.0,
-        "sync/q_changed_frac": 0.5,
-        "sync/delta_codes_frac": 0.25,
+    done = update_rollout_weights(source, torch.nn.Linear(2, 2))
+    assert source.updated == [["weight", "bias"]]
+    assert done.metrics == {
+        "weight_update/sent_bytes": 123.0,
+        "weight_update/q_changed_frac": 0.5,
+        "weight_update/delta_codes_frac": 0.25,
     }
-    assert list(synced.times) == ["sync_total", "sync", "requant", "kv_calibration", "sync/worker0"]
+    assert list(done.times) == [
+        "weight_update_s", "transfer_s", "requantize_s", "kv_calibration_s",
+        "worker0/weight_update_s",
+    ]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ generate
@@ -195,19 +198,19 @@ def scripted_trainer(policy_dir, tmp_path, monkeypatch, texts) -> tuple[Trainer,
     return Trainer(build_config("tiny-cpu", None, dotted(values)), backend=backend), backend
 
 
-def test_a_step_without_an_informative_group_skips_update_and_sync(
+def test_a_step_without_an_informative_group_skips_the_updates(
     policy_dir, tmp_path, monkeypatch
 ):
     trainer, backend = scripted_trainer(policy_dir, tmp_path, monkeypatch, lambda i, j: "x")
     before = [p.detach().clone() for p in trainer.policy.parameters()]
     metrics = trainer.train_step()
     assert metrics["skipped_update"] == 1.0 and metrics["batch/kept_frac"] == 0.0
-    assert backend.updates == 0, "no update, so nothing to sync"
-    assert not [k for k in metrics if k.startswith(("actor/", "rollout_corr/", "sync/"))]
+    assert backend.updates == 0, "no policy update, so no weight update"
+    assert not [k for k in metrics if k.startswith(("actor/", "rollout_corr/", "weight_update/"))]
     assert [k for k in metrics if k.startswith("time/")] == [
-        "time/rollout",
-        "time/reward",
-        "time/step",
+        "time/rollout_s",
+        "time/reward_s",
+        "time/step_s",
     ]
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
     assert trainer.step == 1

@@ -181,7 +181,10 @@ def test_three_step_real_model_run_writes_samples(bf16_dir, tmp_path):
     for m in metrics:
         assert 0 <= m["response/truncated_frac"] <= 1 and 0 <= m["reward/mean"] <= 1
         # 0 when every group's rewards were equal (no advantage, no update): common at step 0
-        assert 0 <= m["sync/codes_changed_frac"] <= 1 and 0 <= m["sync/dense_changed_frac"] <= 1
+        assert (
+            0 <= m["weight_update/codes_changed_frac"] <= 1
+            and 0 <= m["weight_update/dense_changed_frac"] <= 1
+        )
     lines = (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
     samples = [json.loads(line) for line in lines]
     assert [s["step"] for s in samples] == [0, 0, 1, 1, 2, 2]

@@ -137,14 +137,15 @@ def test_one_step_updates_weights_and_syncs_the_engine(policy_dir, tmp_path):
         "rollout_corr/kl",
         "rollout_corr/k3_kl",
         "actor/pg_loss",
-        "time/rollout",
-        "time/train",
-        "time/sync",
-        "time/requant",
+        "time/rollout_s",
+        "time/train_s",
+        "time/transfer_s",
+        "time/requantize_s",
         "throughput/rollout_tokens_per_s",
         "memory/peak_gib",
     ):
         assert key in metrics, key
+    assert all(k.endswith("_s") for k in metrics if k.startswith("time/"))  # the stats schema
     assert (
         abs(metrics["rollout_corr/kl"]) < 1e-4
     )  # fp32 engine and fp32 trainer on the same weights

@@ -200,12 +200,14 @@ def test_trainer_writes_samples_and_change_fractions(tmp_path):
     for m in metrics:
         for key in (
             "response/truncated_frac",
-            "sync/weights_changed_frac",
-            "sync/codes_changed_frac",
-            "sync/dense_changed_frac",
+            "weight_update/weights_changed_frac",
+            "weight_update/codes_changed_frac",
+            "weight_update/dense_changed_frac",
         ):
             assert 0.0 <= m[key] <= 1.0, (key, m[key])
-    assert any(m["sync/codes_changed_frac"] > 0 for m in metrics)  # lr 3e-4 moves int8 codes
+    assert any(
+        m["weight_update/codes_changed_frac"] > 0 for m in metrics
+    )  # lr 3e-4 moves int8 codes
 
     resumed = Trainer(tiny(out, **{"run.steps": 3, "run.resume": "latest"}))
     assert resumed.step == 2

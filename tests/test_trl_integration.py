@@ -115,7 +115,9 @@ def test_unmodified_grpo_trainer_requantizes_every_sync(tiny_qwen2, tmp_path, sc
         )
         stats = step["direct_load"]
         assert stats["incomplete_groups"] == 0 and stats["pending_layers"] == 0, f"{where}: {stats}"
-        assert stats["layers_committed"] == LINEAR_LAYERS * step["global_step"], f"{where}: {stats}"
+        assert stats["layers_requantized"] == LINEAR_LAYERS * step["global_step"], (
+            f"{where}: {stats}"
+        )
         if step["global_step"] > 1:
             assert step["weights_moved_max"] > 0.01, (
                 f"{where}: the trainer's weights did not move: {step}"

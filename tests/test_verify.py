@@ -17,7 +17,7 @@ from flashrl.tools.verify_checks import processed_logprobs_fp64
 from flashrl.tools.verify_context import CheckResult, VerifyContext
 from flashrl.tools.verify_vllm import check_vllm
 
-CHECK_NAMES = ["gemm", "reload", "logprobs", "kv_cache", "vllm"]
+CHECK_NAMES = ["gemm", "update", "logprobs", "kv_cache", "vllm"]
 
 
 def rows(results) -> dict[tuple[str, str], CheckResult]:
@@ -33,7 +33,7 @@ def test_verify_passes_on_cpu(tmp_path, capsys):
     results = {(r["check"], r["scheme"]): r for r in doc["results"]}
     schemes = list(SCHEMES)
     expected = {("gemm", s) for s in schemes[1:]} | {
-        (c, s) for c in ("reload", "logprobs", "kv_cache") for s in schemes
+        (c, s) for c in ("update", "logprobs", "kv_cache") for s in schemes
     }
     assert expected <= set(results)
     assert [r["check"] for r in doc["results"]][-1] == "vllm" and len(results) == len(expected) + 1
@@ -110,9 +110,9 @@ def test_reload_that_replaces_storage_fails(monkeypatch):
     monkeypatch.setattr(QuantLinear, "requantize_", replacing)
     results = run_verify(device="cpu", schemes=["bf16", "int8"], vllm=False)
     by_key = rows(results)
-    assert by_key[("reload", "int8")].status == FAIL
-    assert "storage replaced instead of updated in place" in by_key[("reload", "int8")].detail
-    assert by_key[("reload", "bf16")].status == PASS
+    assert by_key[("update", "int8")].status == FAIL
+    assert "storage replaced instead of updated in place" in by_key[("update", "int8")].detail
+    assert by_key[("update", "bf16")].status == PASS
     assert exit_code(results) == 1
 
 
@@ -149,7 +149,7 @@ def test_a_crashing_check_is_a_fail_row_and_the_others_still_run(monkeypatch):
         by_key[("kv_cache", "bf16")].status == FAIL
         and by_key[("kv_cache", "bf16")].detail == "RuntimeError: boom"
     )
-    assert by_key[("reload", "bf16")].status == PASS and by_key[("logprobs", "bf16")].status == PASS
+    assert by_key[("update", "bf16")].status == PASS and by_key[("logprobs", "bf16")].status == PASS
     assert exit_code(results) == 1
 
 

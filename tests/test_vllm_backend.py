@@ -1,5 +1,5 @@
 """vLLM backend: quantized layers equal `QuantLinear` bit for bit, per-step reload equals a fresh
-load, `engine_kwargs` / `WeightSync` / `VLLMBackend` behave as documented.
+load, `engine_kwargs` / `WeightUpdater` / `VLLMBackend` behave as documented.
 
 Every engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on a tiny random Qwen3 checkpoint
 (head_dim 32, as vLLM's CPU attention wants) with `enforce_eager=True` to keep the suite short; the
@@ -24,10 +24,10 @@ from flashrl.core.config import RolloutConfig  # noqa: E402
 from flashrl.core.rollout import BACKEND_STATS_KEYS, Rollout, RolloutBackend  # noqa: E402
 from flashrl.core.sampling import SamplingParams  # noqa: E402
 from flashrl.quant.linear import QuantLinear  # noqa: E402
-from flashrl.vllm_backend import METHOD_NAMES, WeightSync, engine_kwargs  # noqa: E402
+from flashrl.vllm_backend import METHOD_NAMES, WeightUpdater, engine_kwargs  # noqa: E402
 from flashrl.vllm_backend.kernels import kernel_name  # noqa: E402
 from flashrl.vllm_backend.testing import load_state_dict, save_perturbed_copy, save_tiny_vllm_model  # noqa: E402
-from flashrl.vllm_backend.weight_sync import check_fused_complete  # noqa: E402
+from flashrl.vllm_backend.weight_update import check_fused_complete  # noqa: E402
 
 SCHEMES = ("bf16", "int8", "fp8", "fp8_channel", "fp8_block", "int8_g64")
 QUANT_SCHEMES = SCHEMES[1:]
@@ -175,7 +175,7 @@ def engine(request, checkpoints):
     yield {
         "scheme": scheme,
         "llm": llm,
-        "sync": WeightSync(llm),
+        "sync": WeightUpdater(llm),
         "base_fresh": fresh_record(llm),
         "perturbed_fresh": perturbed_fresh,
     }
@@ -219,10 +219,10 @@ def test_reload_equals_fresh_engine(engine, checkpoints):
         if "proj" in name
     }
 
-    timings = sync.push(checkpoints["perturbed_sd"].items())
+    timings = sync.update_weights(checkpoints["perturbed_sd"].items())
     assert timings["chunks"] == 2 + 2  # embeddings, 2 decoder layers, final norm
     assert timings["layers_requantized"] == (0 if scheme == "bf16" else 8)
-    assert timings["requant_s"] >= 0 and timings["transfer_s"] > 0
+    assert timings["requantize_s"] >= 0 and timings["transfer_s"] > 0
     assert engine["perturbed_fresh"]["outputs"] != engine["base_fresh"]["outputs"]
     assert_same_state(
         llm, engine["perturbed_fresh"], "a fresh engine from the perturbed checkpoint"
@@ -230,7 +230,7 @@ def test_reload_equals_fresh_engine(engine, checkpoints):
     if scheme != "bf16":
         assert_layers_match(llm, checkpoints["perturbed_sd"], scheme)
 
-    sync.push(checkpoints["base_sd"].items())
+    sync.update_weights(checkpoints["base_sd"].items())
     assert_same_state(llm, engine["base_fresh"], "the engine's own fresh load")
     assert {
         name: p.data_ptr()
@@ -242,16 +242,16 @@ def test_reload_equals_fresh_engine(engine, checkpoints):
 @pytest.mark.parametrize(
     "engine", ["bf16", "int8"], indirect=True
 )  # one unquantized, one quantized
-def test_dummy_load_then_push_equals_fresh_engine(engine, checkpoints):
+def test_dummy_load_then_update_equals_fresh_engine(engine, checkpoints):
     """The RL start-up pattern: ``load_format="dummy"`` (random weights, nothing read from disk),
-    then the trainer's first push. Also covers the tied LM head, whose CPU GEMM handle vLLM packs
+    then the trainer's first update. Also covers the tied LM head, whose CPU GEMM handle vLLM packs
     at load time and does not repack on reload (flashrl's transfer backend repacks it)."""
     llm = vllm.LLM(
         str(checkpoints["base"]), **LLM_ARGS, load_format="dummy", **engine_kwargs(engine["scheme"])
     )
     try:
         assert greedy_and_sampled(llm) != engine["base_fresh"]["outputs"]
-        WeightSync(llm).push(checkpoints["base_sd"].items())
+        WeightUpdater(llm).update_weights(checkpoints["base_sd"].items())
         assert_same_state(llm, engine["base_fresh"], "a fresh engine from the base checkpoint")
     finally:
         shutdown(llm)
@@ -259,7 +259,7 @@ def test_dummy_load_then_push_equals_fresh_engine(engine, checkpoints):
 
 def test_qkv_bias_model_layers_and_reload(tmp_path):
     """Qwen2 (q/k/v bias; hidden 128 for head_dim 32), int8: fused biases equal QuantLinear's and
-    the quantized forward adds them exactly; after a push the engine equals a fresh engine."""
+    the quantized forward adds them exactly; after an update the engine equals a fresh engine."""
     base = save_tiny_vllm_model(
         tmp_path / "base",
         family="qwen2",
@@ -275,7 +275,7 @@ def test_qkv_bias_model_layers_and_reload(tmp_path):
     llm = vllm.LLM(str(base), **LLM_ARGS, **engine_kwargs("int8"))
     try:
         assert_layers_match(llm, load_state_dict(base), "int8")
-        WeightSync(llm).push(load_state_dict(perturbed).items())
+        WeightUpdater(llm).update_weights(load_state_dict(perturbed).items())
         assert_layers_match(llm, load_state_dict(perturbed), "int8")
         assert_same_state(llm, perturbed_fresh, "a fresh engine from the perturbed checkpoint")
     finally:
@@ -330,7 +330,7 @@ def test_backend_implements_rollout_protocol(checkpoints):
         assert diff < 0.05, (greedy[0].logprobs, greedy[0].raw_logprobs)
 
         timings = backend.update_weights(checkpoints["base_sd"].items())
-        assert {"transfer_s", "requant_s", "reset_cache_s", "total_s"} <= timings.keys()
+        assert {"transfer_s", "requantize_s", "reset_cache_s", "weight_update_s"} <= timings.keys()
         assert (
             backend.generate(["abc"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[
                 0
@@ -384,7 +384,7 @@ def test_engine_kwargs_reads_flashrl_config(monkeypatch, tmp_path):
 def test_engine_kwargs_rejects_what_vllm_cannot_do_and_accepts_fp8_kv():
     with pytest.raises(ValueError, match="lm_head_fp32=True is not supported by the vLLM backend"):
         engine_kwargs(RolloutConfig(quant="int8", lm_head_fp32=True))
-    # fp8 KV with calibrated scales is supported: WeightSync recalibrates after every push (test_vllm_kv.py)
+    # fp8 KV with calibrated scales is supported: WeightUpdater recalibrates after every update (test_vllm_kv.py)
     assert engine_kwargs(RolloutConfig(kv_cache_dtype="fp8"))["kv_cache_dtype"] == "fp8"
     assert (
         engine_kwargs(RolloutConfig(kv_cache_dtype="fp8", kv_scale=1.0))["kv_cache_dtype"] == "fp8"
@@ -419,7 +419,7 @@ def test_skip_patterns_on_fused_layers():
         FlashRLInt8Config.from_config({"quant_method": "flashrl_fp8"})
 
 
-def test_weight_sync_refuses_partial_fused_groups():
+def test_weight_updater_refuses_partial_fused_groups():
     names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"] + [
         "model.layers.0.mlp.gate_proj.weight",
         "model.layers.0.mlp.up_proj.weight",
@@ -433,13 +433,13 @@ def test_weight_sync_refuses_partial_fused_groups():
         check_fused_complete(names + ["model.layers.0.mlp.up_proj.bias"])
 
 
-def test_weight_sync_needs_the_flashrl_transfer_backend():
+def test_weight_updater_needs_the_flashrl_transfer_backend():
     class FakeLLM:
         class llm_engine:
             class vllm_config:
                 weight_transfer_config = None
 
-    with pytest.raises(ValueError, match="WeightSync needs 'flashrl'"):
-        WeightSync(FakeLLM())
+    with pytest.raises(ValueError, match="WeightUpdater needs 'flashrl'"):
+        WeightUpdater(FakeLLM())
     with pytest.raises(ValueError, match="transport='pipe' is invalid"):
-        WeightSync(FakeLLM(), transport="pipe")
+        WeightUpdater(FakeLLM(), transport="pipe")

@@ -1,11 +1,11 @@
 """vLLM backend with an FP8 KV cache: scales calibrated by flashrl's code at start-up, on the first
-prompts and after every push (vLLM resets hand-set scales to 1.0 on each reload).
+prompts and after every update (vLLM resets hand-set scales to 1.0 on each reload).
 
 One in-process fp8-KV `VLLMBackend` and one bf16-KV reference engine (tiny sharp Qwen3, head_dim 32
 as vLLM's CPU attention wants, ``enforce_eager``). Accuracy is the mean |prompt logprob difference|
 to the bf16-KV engine over 4 x 39 tokens (vLLM's prefill reads the fp8 cache). Measured on 2 cores:
-0.114 with calibrated scales on the base weights, 0.113 after a push that multiplies K and V by
-256 (Q and o_proj by 1/256: the same function); with the scales of before the push (stale) 1.86,
+0.114 with calibrated scales on the base weights, 0.113 after an update that multiplies K and V by
+256 (Q and o_proj by 1/256: the same function); with the scales of before the update (stale) 1.86,
 with vLLM's 1.0 (what a reload leaves when nobody re-applies them) 0.67. The last test repeats
 the essentials in a fresh process (FLASHRL_CONFIG hook, compiled model, multiprocess engine, file
 transport).
@@ -35,7 +35,7 @@ from flashrl.model.kv_calibration import (  # noqa: E402
     checkpoint_getter,
     fallback_sequences,
 )
-from flashrl.vllm_backend import VLLMBackend, WeightSync, engine_kwargs  # noqa: E402
+from flashrl.vllm_backend import VLLMBackend, WeightUpdater, engine_kwargs  # noqa: E402
 from flashrl.vllm_backend.testing import load_state_dict, save_tiny_vllm_model  # noqa: E402
 
 LLM_ARGS = dict(enforce_eager=True, max_model_len=128, max_num_seqs=8)
@@ -124,12 +124,12 @@ def test_start_up_and_first_prompts_calibrate_like_the_builtin_engine(setup):
     start = scales(backend.llm)
     assert torch.equal(start["k"], expected.k[:, 0]) and torch.equal(start["v"], expected.v[:, 0])
     assert torch.equal(start["q"], expected.q)
-    assert backend.sync.kv.from_fallback and backend.stats()["kv_calibration_s"] > 0
+    assert backend.updater.kv.from_fallback and backend.stats()["kv_calibration_s"] > 0
     prompts = setup["prompts"][:2]
     backend.generate(
         prompts, SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=0, ignore_eos=True)
     )
-    assert not backend.sync.kv.from_fallback
+    assert not backend.updater.kv.from_fallback
     engine = Engine(
         path, dtype="bf16", device="cpu", progress=False, kv_cache_dtype="fp8", max_len=128
     )
@@ -137,7 +137,7 @@ def test_start_up_and_first_prompts_calibrate_like_the_builtin_engine(setup):
     assert torch.equal(scales(backend.llm)["k"], engine.kv_scales.k[:, 0])
     assert torch.equal(scales(backend.llm)["v"], engine.kv_scales.v[:, 0])
     recent = (
-        backend.sync.kv.recent.sequences()
+        backend.updater.kv.recent.sequences()
     )  # prompt + response, one sample of each prompt first
     assert (
         [s[:40] for s in recent[:2]] == prompts
@@ -146,35 +146,37 @@ def test_start_up_and_first_prompts_calibrate_like_the_builtin_engine(setup):
     )
 
 
-def test_push_that_scales_kv_recalibrates_and_stays_accurate(setup):
-    sync, llm = setup["backend"].sync, setup["backend"].llm
+def test_update_that_scales_kv_recalibrates_and_stays_accurate(setup):
+    sync, llm = setup["backend"].updater, setup["backend"].llm
     prompts, state = setup["prompts"], setup["state"]
     reference = prompt_logprobs(setup["reference"], prompts)
     calibration = prompts[:2]
 
-    sync.push(state.items(), kv_sequences=calibration)
+    sync.update_weights(state.items(), kv_sequences=calibration)
     before = scales(llm)
     error = (prompt_logprobs(llm, prompts) - reference).abs().mean()
     assert error < 0.2
 
-    timings = sync.push(scale_kv(state, 256.0).items(), kv_sequences=calibration)
+    timings = sync.update_weights(scale_kv(state, 256.0).items(), kv_sequences=calibration)
     assert timings["kv_calibration_s"] > 0
     after = scales(llm)
     assert torch.equal(after["k"], 256 * before["k"]) and torch.equal(after["v"], 256 * before["v"])
     assert torch.equal(after["q"], before["q"] / 256)
     fresh = (prompt_logprobs(llm, prompts) - reference).abs().mean()
-    assert fresh < 1.5 * error, f"fresh scales: {fresh:.3f} vs {error:.3f} before the push"
+    assert fresh < 1.5 * error, f"fresh scales: {fresh:.3f} vs {error:.3f} before the update"
 
     # what recalibration prevents: the old scales clip K and V, vLLM's reset value 1.0 clips K
     for k, v in ((before["k"].tolist(), before["v"].tolist()), (1.0, 1.0)):
         llm.collective_rpc("flashrl_set_kv_scales", args=(k, v, None))
         llm.reset_prefix_cache()
         assert (prompt_logprobs(llm, prompts) - reference).abs().mean() > 3 * fresh
-    sync.push(state.items(), kv_sequences=calibration)  # leave the base weights and their scales
+    sync.update_weights(
+        state.items(), kv_sequences=calibration
+    )  # leave the base weights and their scales
 
 
-def test_push_recalibrates_on_remembered_rollouts_and_refuses_partial_pushes(setup):
-    backend, sync = setup["backend"], setup["backend"].sync
+def test_update_recalibrates_on_remembered_rollouts_and_refuses_partial_updates(setup):
+    backend, sync = setup["backend"], setup["backend"].updater
     outs = backend.generate(
         setup["prompts"][2:], SamplingParams(temperature=1.0, max_tokens=6, seed=1, ignore_eos=True)
     )
@@ -187,8 +189,8 @@ def test_push_recalibrates_on_remembered_rollouts_and_refuses_partial_pushes(set
     assert recent[: len(outs)] == [o.prompt_ids + o.response_ids for o in outs]  # newest first
     assert sync.kv.scales.tokens == sum(map(len, recent))
     version = sync.version
-    with pytest.raises(ValueError, match="this push lacks model.embed_tokens.weight"):
-        sync.push(
+    with pytest.raises(ValueError, match="this update lacks model.embed_tokens.weight"):
+        sync.update_weights(
             [
                 (
                     "model.layers.0.mlp.down_proj.weight",
@@ -196,30 +198,32 @@ def test_push_recalibrates_on_remembered_rollouts_and_refuses_partial_pushes(set
                 )
             ]
         )
-    assert sync.version == version, "nothing may be sent when the push is refused"
+    assert sync.version == version, "nothing may be sent when the update is refused"
     with pytest.raises(ValueError, match="calibrate_kv reads the checkpoint on disk"):
         sync.calibrate_kv(setup["prompts"])
 
 
-def test_fixed_kv_scale_is_reapplied_after_every_push(setup):
+def test_fixed_kv_scale_is_reapplied_after_every_update(setup):
     llm = setup["backend"].llm
-    fixed = WeightSync(llm, kv_scale=0.05)
+    fixed = WeightUpdater(llm, kv_scale=0.05)
     assert torch.all(scales(llm)["k"] == torch.tensor(0.05)) and torch.all(
         scales(llm)["v"] == torch.tensor(0.05)
     )
-    timings = fixed.push(setup["state"].items())
+    timings = fixed.update_weights(setup["state"].items())
     assert timings["kv_calibration_s"] >= 0 and torch.all(scales(llm)["k"] == torch.tensor(0.05))
     with pytest.raises(ValueError, match="kv_scale=0.1 needs an engine with kv_cache_dtype='fp8'"):
-        WeightSync(setup["reference"], kv_scale=0.1)
+        WeightUpdater(setup["reference"], kv_scale=0.1)
     with pytest.raises(ValueError, match="kv_scale='auto' is invalid"):
-        WeightSync(llm, kv_scale="auto")
-    setup["backend"].sync.push(setup["state"].items())  # calibrated scales again for later tests
+        WeightUpdater(llm, kv_scale="auto")
+    setup["backend"].updater.update_weights(
+        setup["state"].items()
+    )  # calibrated scales again for later tests
 
 
 def test_flashrl_config_fp8_kv_in_a_fresh_multiprocess_engine(setup, tmp_path):
     """``FLASHRL_CONFIG`` with int8 weights and an fp8 KV cache on a plain ``LLM(model)`` (compiled
-    model, engine core in its own process): the hook builds the fp8 cache, `WeightSync` sets
-    calibrated scales at start-up and after a push sent through files, and the compiled model
+    model, engine core in its own process): the hook builds the fp8 cache, `WeightUpdater` sets
+    calibrated scales at start-up and after an update sent through files, and the compiled model
     follows scale changes."""
     from test_vllm_processes import run_script
 
@@ -229,7 +233,7 @@ def test_flashrl_config_fp8_kv_in_a_fresh_multiprocess_engine(setup, tmp_path):
         f"""
         import json
         from vllm import LLM, SamplingParams
-        from flashrl.vllm_backend import WeightSync
+        from flashrl.vllm_backend import WeightUpdater
         from flashrl.vllm_backend.testing import load_state_dict
 
         def greedy(llm):
@@ -238,9 +242,9 @@ def test_flashrl_config_fp8_kv_in_a_fresh_multiprocess_engine(setup, tmp_path):
 
         if __name__ == "__main__":
             llm = LLM({str(setup["path"])!r}, max_model_len=128, max_num_seqs=8)
-            sync = WeightSync(llm)
+            sync = WeightUpdater(llm)
             start = llm.collective_rpc("flashrl_kv_scales")[0]
-            timings = sync.push(load_state_dict({str(setup["path"])!r}).items())
+            timings = sync.update_weights(load_state_dict({str(setup["path"])!r}).items())
             calibrated = greedy(llm)
             llm.collective_rpc("flashrl_set_kv_scales", args=(1e-4, 1e-4, None))
             llm.reset_prefix_cache()

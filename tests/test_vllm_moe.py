@@ -7,7 +7,7 @@ layers, untied head), for every scheme:
 - every expert's codes and scales equal `QuantLinear.from_linear` of that expert (gate/up as two
   shards), bit for bit, and the experts' forward equals a per-expert `QuantLinear` loop;
 - each load path (direct ``model.load_weights`` one tensor per call shuffled with per-expert
-  checkpoint names, all at once with the trainer's fused in-memory names, `WeightSync.push`,
+  checkpoint names, all at once with the trainer's fused in-memory names, `WeightUpdater.update_weights`,
   vLLM's ``reload_weights`` from disk) leaves the engine bit-identical to a fresh engine loaded from
   the new checkpoint (every parameter, greedy and seeded tokens, logprobs), in the same storages;
 - a NaN expert tensor is refused with the layer unchanged; an incomplete expert is reported.
@@ -36,7 +36,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from flashrl.errors import WeightError  # noqa: E402
 from flashrl.quant.linear import QuantLinear  # noqa: E402
-from flashrl.vllm_backend import WeightSync, engine_kwargs  # noqa: E402
+from flashrl.vllm_backend import WeightUpdater, engine_kwargs  # noqa: E402
 from flashrl.vllm_backend.direct_load import load_stats  # noqa: E402
 from flashrl.vllm_backend.testing import (  # noqa: E402
     load_state_dict,
@@ -209,8 +209,8 @@ def test_quantized_experts_and_every_load_path_equal_a_fresh_load(checkpoints, s
             model.load_weights(call)
         expect(fresh_perturbed, "direct, per tensor, reverse shuffled")
         assert load_stats()["pending_layers"] == 0
-        WeightSync(llm).push(checkpoints["base_sd"].items())
-        expect(fresh_base, "WeightSync.push")
+        WeightUpdater(llm).update_weights(checkpoints["base_sd"].items())
+        expect(fresh_base, "WeightUpdater.update_weights")
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoints["perturbed"])})
         expect(fresh_perturbed, "reload_weights from disk")
     finally:
@@ -285,15 +285,15 @@ def test_incomplete_expert_keeps_old_weights_and_is_reported(checkpoints, int8_l
     assert_same(snapshot(int8_llm), before, "after restoring expert 5")
 
 
-def test_push_of_some_experts_keeps_the_others(checkpoints, int8_llm):
-    """`WeightSync.push` of two experts of one layer (layerwise reload of a partial layer): those
+def test_update_of_some_experts_keeps_the_others(checkpoints, int8_llm):
+    """`WeightUpdater.update_weights` of two experts of one layer (layerwise reload of a partial layer): those
     experts equal QuantLinear of the new weights, every other tensor keeps its bits (without flashrl,
-    vLLM would quantize the unsent experts from uninitialized memory); pushing them back restores."""
+    vLLM would quantize the unsent experts from uninitialized memory); sending them back restores."""
     before = snapshot(int8_llm)
     picked = ("layers.0.mlp.experts.2.", "layers.0.mlp.experts.5.")
     new = {k: v for k, v in checkpoints["perturbed_files"].items() if any(p in k for p in picked)}
     assert len(new) == 6
-    WeightSync(int8_llm).push(new.items())
+    WeightUpdater(int8_llm).update_weights(new.items())
     after, layer = (
         snapshot(int8_llm),
         moe_layers(int8_llm)["model.layers.0.mlp.experts.routed_experts"],
@@ -309,8 +309,8 @@ def test_push_of_some_experts_keeps_the_others(checkpoints, int8_llm):
     assert_same({k: v for k, v in after.items() if not k.startswith(moe)},
                 {k: v for k, v in before.items() if not k.startswith(moe)}, "other layers")  # fmt: skip
     base = load_file(str(checkpoints["base"] / "model.safetensors"))
-    WeightSync(int8_llm).push([(k, base[k]) for k in new])
-    assert_same(snapshot(int8_llm), before, "after pushing the two experts back")
+    WeightUpdater(int8_llm).update_weights([(k, base[k]) for k in new])
+    assert_same(snapshot(int8_llm), before, "after sending the two experts back")
 
 
 LOGPROB_TOL = {"max": 0.25, "mean": 2e-3, "q98": 1e-2}

@@ -76,8 +76,8 @@ def test_plugin_registers_methods_in_fresh_multiprocess_engine(checkpoints, tmp_
 
 def test_flashrl_config_switches_unmodified_script(checkpoints, tmp_path):
     """``FLASHRL_CONFIG=flashrl.yaml`` (int8, down_proj kept in bf16) on a script that calls plain
-    ``LLM(model)``: the hook fills in flashrl's engine arguments; `WeightSync` then reloads the
-    multi-process engine through files, and pushing the original weights back restores its
+    ``LLM(model)``: the hook fills in flashrl's engine arguments; `WeightUpdater` then reloads the
+    multi-process engine through files, and sending the original weights back restores its
     fresh-load outputs exactly."""
     config = RolloutConfig(quant="int8", skip=("lm_head", "*.down_proj")).to_yaml(
         tmp_path / "flashrl.yaml"
@@ -87,7 +87,7 @@ def test_flashrl_config_switches_unmodified_script(checkpoints, tmp_path):
         f"""
         import json
         from vllm import LLM, SamplingParams
-        from flashrl.vllm_backend import WeightSync
+        from flashrl.vllm_backend import WeightUpdater
         from flashrl.vllm_backend.testing import load_state_dict
 
         def greedy(llm):
@@ -100,10 +100,10 @@ def test_flashrl_config_switches_unmodified_script(checkpoints, tmp_path):
             llm = LLM({str(checkpoints["perturbed"])!r}, enforce_eager=True, max_model_len=128, max_num_seqs=8)
             cfg = llm.llm_engine.vllm_config
             fresh = greedy(llm)
-            sync = WeightSync(llm)
-            base_timings = sync.push(load_state_dict({str(checkpoints["base"])!r}).items())
+            sync = WeightUpdater(llm)
+            base_timings = sync.update_weights(load_state_dict({str(checkpoints["base"])!r}).items())
             base = greedy(llm)
-            sync.push(load_state_dict({str(checkpoints["perturbed"])!r}).items())
+            sync.update_weights(load_state_dict({str(checkpoints["perturbed"])!r}).items())
             print("RESULT " + json.dumps({{
                 "quantization": cfg.model_config.quantization,
                 "logprobs_mode": cfg.model_config.logprobs_mode,

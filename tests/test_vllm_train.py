@@ -45,7 +45,7 @@ def test_three_step_vllm_training_run(tmp_path, monkeypatch):
             "rollout_corr/kl",
             "rollout_corr/rollout_is_mean",
             "rollout_corr/rollout_probs_diff_max",
-            "time/sync",
+            "time/transfer_s",
         ):
             assert key in row, key
     assert (out / "checkpoint-3" / "model.safetensors").is_file()

@@ -183,11 +183,11 @@ class RolloutConfig:
     lm_head_fp32: bool = setting(False, check=_check_bool)
     logprobs_mode: str = choice("processed", LOGPROB_MODES)
     sync_rounding: str = choice("nearest", SYNC_ROUNDINGS)
-    """How synced weights are rounded to the rollout grid (bf16 values, int8 / fp8 codes):
+    """How updated weights are rounded to the rollout grid (bf16 values, int8 / fp8 codes):
     ``nearest``, or ``stochastic`` (unbiased, so updates below half a grid step survive on
     average; built-in engine only, not for MoE experts). See docs/real-model.md."""
     smooth: float | None = setting(None, check=_check_smooth)
-    """Online SmoothQuant exponent a in (0, 1], factors recomputed at every weight sync
+    """Online SmoothQuant exponent a in (0, 1], factors recomputed at every weight update
     (`flashrl.quant.smoothing`); None: off. Built-in engine only, not for MoE models."""
 
     def __post_init__(self) -> None:

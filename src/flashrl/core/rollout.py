@@ -28,9 +28,9 @@ BACKEND_STATS: dict[str, str] = {
     "generate_s": "seconds spent in generate",
     "tokens_per_s": "generated_tokens / generate_s (0.0 before the first generate)",
     "weight_updates": "calls of update_weights",
-    "sync_s": "seconds spent in update_weights",
+    "weight_update_s": "seconds spent in update_weights",
     "transfer_s": "seconds moving new weights into the backend (re-quantization excluded)",
-    "requant_s": "seconds re-quantizing",
+    "requantize_s": "seconds re-quantizing in place",
     "kv_calibration_s": "seconds calibrating fp8 KV scales (0.0 without a calibrated fp8 KV cache)",
 }
 """The counters and timings (since construction) that every `RolloutBackend.stats` holds, with

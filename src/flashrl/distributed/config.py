@@ -57,15 +57,15 @@ class WorkersConfig:
     with scale hysteresis, only the changed ones sent, checksummed (docs/distributed.md)."""
     delta_scale_band: float = number(0.05, at_least=0, below=1, note="0: fresh scales")
     """'delta': a row keeps its scale while its amax stays within [(1 - band) * amax at its last
-    fresh scale, that amax]; 0: fresh scales at every sync (the 'codes' bits)."""
+    fresh scale, that amax]; 0: fresh scales at every update (the 'codes' bits)."""
     delta_full_every: int = integer(
-        20, least=0, note="0: only the first sync and repairs", resume_free=True
+        20, least=0, note="0: only the first update and repairs", resume_free=True
     )
-    """'delta': every N-th sync sends all codes (0: only the first sync and checksum repairs)."""
+    """'delta': every N-th update sends all codes (0: only the first update and checksum repairs)."""
     bucket_mb: float = number(64.0, above=0, unit="a number of MiB", resume_free=True)
-    """MiB per broadcast bucket (the peak extra memory of a sync)."""
+    """MiB per broadcast bucket (the peak extra memory of an update)."""
     timeout: float = number(600.0, above=0, at_most=MAX_TIMEOUT_S, unit="seconds", resume_free=True)
-    """Seconds a worker may take for one call (generate, sync) before the run stops naming it."""
+    """Seconds a worker may take for one call (generate, weight update) before the run stops naming it."""
     async_rollouts: bool = False
     """Generate step t+1 while step t trains (rollouts one step stale; needs count >= 1)."""
 

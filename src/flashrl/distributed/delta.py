@@ -1,8 +1,8 @@
-"""Quantized delta sync (``rollout.workers.payload=delta``): only the codes that changed cross the wire.
+"""Quantized delta update (``rollout.workers.payload=delta``): only the codes that changed cross the wire.
 
 The trainer (`DeltaSender`) keeps a mirror of what every worker stores for each weight the workers
 keep quantized: its codes, its fp32 scales and, per scale element, the amax that scale was made
-from (`ref_amax`). One sync:
+from (`ref_amax`). One update:
 
 1. **Scale hysteresis** (`hysteresis_scales`). A scale element (a row for per-channel schemes such
    as int8 and fp8_channel, the whole tensor for per-tensor fp8) keeps its scale while its new amax
@@ -18,14 +18,14 @@ from (`ref_amax`). One sync:
 3. **Wire** (`dense_delta.diff_values`): the codes that differ from the mirror, as (flat index, new code) pairs
    (int32 indices, int64 for tensors of 2**31 codes or more), plus the whole scale tensor. A tensor
    whose pairs would outweigh its codes travels whole (kind ``codes``). Every
-   ``rollout.workers.delta_full_every``-th sync, the first one and every repair send all codes whole; the scales
-   follow the same hysteresis, so the result never depends on which syncs were full.
+   ``rollout.workers.delta_full_every``-th update, the first one and every repair send all codes whole; the scales
+   follow the same hysteresis, so the result never depends on which updates were full.
 4. **Unquantized weights** (`flashrl.distributed.dense_delta`, when the workers report their
-   storage dtypes): rounded to that dtype on the trainer; after the first sync only the changed
+   storage dtypes): rounded to that dtype on the trainer; after the first update only the changed
    values travel, as (flat index, value) pairs.
-5. **Checksums** (`checksum`): after a sync every worker reports a checksum of the codes and scales
+5. **Checksums** (`checksum`): after an update every worker reports a checksum of the codes and scales
    it stores for each weight; the trainer compares them with its mirror's. A mismatch is logged as
-   a WARNING and those tensors are sent again whole (`delta_sync`); a second mismatch stops the run.
+   a WARNING and those tensors are sent again whole (`delta_update`); a second mismatch stops the run.
 
 The trainer's extra memory is one byte per quantized parameter (the mirror) plus one tensor's new
 codes; a worker's is the received pairs of one tensor. A resumed run starts with fresh scales.
@@ -130,26 +130,26 @@ class Mirror:
 
 
 class DeltaSender:
-    """The trainer's side of delta sync: the mirror, the plan of each sync and its tensors."""
+    """The trainer's side of delta update: the mirror, the plan of each update and its tensors."""
 
     def __init__(self, band: float = 0.05, full_every: int = 20) -> None:
         if isinstance(band, bool) or not 0.0 <= band < 1.0:
             raise ConfigError(
                 f"rollout.workers.delta_scale_band={band!r} is invalid; allowed: a number >= 0 and < 1 "
-                f"(0: fresh scales at every sync, the codes payload bit for bit)"
+                f"(0: fresh scales at every update, the codes payload bit for bit)"
             )
         if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 0:
             raise ConfigError(
                 f"rollout.workers.delta_full_every={full_every!r} is invalid; allowed: an integer >= 0 "
-                f"(0: full only at the first sync and after a checksum mismatch)"
+                f"(0: full only at the first update and after a checksum mismatch)"
             )
         self.band, self.full_every = band, full_every
         self.mirrors: dict[str, Mirror] = {}
         self.dense: dict[str, DenseMirror] = {}
         self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.syncs = 0
+        self.updates = 0
         self.needs_full = True
-        """The next sync sends every code (first sync; after a sync that did not complete)."""
+        """The next update sends every code (first update; after an update that did not complete)."""
         self.stats: dict[str, float] = {}
 
     def plan(
@@ -160,9 +160,9 @@ class DeltaSender:
     ) -> list[TensorMeta]:
         """Quantize every weight in `quantized` with hysteresis scales, round every weight in
         `dense` (name -> the workers' storage dtype) to that dtype, update the mirrors, and return
-        the tensors of this sync (module doc); other tensors travel as they are."""
+        the tensors of this update (module doc); other tensors travel as they are."""
         check_finite(named)
-        full = self.needs_full or (self.full_every > 0 and self.syncs % self.full_every == 0)
+        full = self.needs_full or (self.full_every > 0 and self.updates % self.full_every == 0)
         self.needs_full, self.pending = True, {}  # cleared by `confirm`
         metas: list[TensorMeta] = []
         counts = {"codes": 0, "changed": 0, "scales": 0, "kept": 0, "dense": 0, "dense_changed": 0}
@@ -211,7 +211,7 @@ class DeltaSender:
         whole_bytes: int,
         full: bool,
     ) -> list[TensorMeta] | None:
-        """The (index, `kind`) metas of a delta, kept pending for `tensors`; None when the sync is
+        """The (index, `kind`) metas of a delta, kept pending for `tensors`; None when the update is
         full or the pairs would outweigh the whole tensor (it then travels whole)."""
         if full or index.numel() * (index.element_size() + values.element_size()) >= whole_bytes:
             return None
@@ -300,24 +300,24 @@ class DeltaSender:
         return bad
 
     def confirm(self) -> None:
-        """Every worker matched the mirror: the next sync may send a delta."""
-        self.syncs += 1
+        """Every worker matched the mirror: the next update may send a delta."""
+        self.updates += 1
         self.needs_full, self.pending = False, {}
 
 
 Send = Callable[[list[TensorMeta], Iterator[torch.Tensor]], tuple[dict, list[dict]]]
-"""Broadcast tensors (metas, tensors) to every worker; returns the send stats (``bytes``) and
+"""Broadcast tensors (metas, tensors) to every worker; returns the send stats (``sent_bytes``) and
 each worker's result, whose ``checksums`` maps weight names to `checksum` values."""
 
 
-def delta_sync(
+def delta_update(
     sender: DeltaSender,
     named: Sequence[tuple[str, torch.Tensor]],
     quantized: dict[str, str],
     send: Send,
     dense: dict[str, str] | None = None,
 ) -> tuple[dict[str, float], list[dict]]:
-    """One delta sync through `send`, checked and repaired (module doc, point 5). Returns the
+    """One delta update through `send`, checked and repaired (module doc, point 5). Returns the
     stats (bytes, seconds, fractions) and the workers' results of the last broadcast."""
     start = time.perf_counter()
     named = [(n, t.detach()) for n, t in named]
@@ -325,11 +325,11 @@ def delta_sync(
     plan_s = time.perf_counter() - start
     sent, results = send(metas, sender.tensors(named, metas))
     bad = sender.mismatches(metas, [r.pop("checksums", {}) for r in results])
-    total, repaired = sent["bytes"], 0.0
+    total, repaired = sent["sent_bytes"], 0.0
     if bad:
         first = next(iter(bad))
         logger.warning(
-            "weight sync: %d tensor(s) differ from the trainer's after a delta (checksum "
+            "weight update: %d tensor(s) differ from the trainer's after a delta (checksum "
             "mismatch; first %r on worker(s) %s); resending them whole",
             len(bad),
             first,
@@ -337,7 +337,7 @@ def delta_sync(
         )
         repair = sender.full_metas(sorted(bad))
         again, results = send(repair, sender.tensors(named, repair))
-        total, repaired = total + again["bytes"], float(len(bad))
+        total, repaired = total + again["sent_bytes"], float(len(bad))
         still = sender.mismatches(repair, [r.pop("checksums", {}) for r in results])
         if still:
             raise WeightError(
@@ -345,5 +345,5 @@ def delta_sync(
                 f"{next(iter(still))!r}); the workers' weights cannot be trusted"
             )
     sender.confirm()
-    stats = {"sync/bytes": total, "plan_s": plan_s, "delta_repaired": repaired, **sender.stats}
+    stats = {"sent_bytes": total, "plan_s": plan_s, "delta_repaired": repaired, **sender.stats}
     return {**stats, "send_s": time.perf_counter() - start - plan_s}, results

@@ -1,20 +1,20 @@
-"""Delta sync of the weights the workers keep unquantized (embeddings, norms, the LM head, layers on
+"""Delta update of the weights the workers keep unquantized (embeddings, norms, the LM head, layers on
 the skip list): only the values that changed in the workers' storage dtype cross the wire.
 
 The trainer rounds each such weight to the dtype the workers store it in (`dense_dtypes`, reported
 by each worker; nearest rounding, what a worker's own cast of a full tensor does) and keeps that
-rounded copy as its mirror. After the first sync only the elements whose bits differ from the
+rounded copy as its mirror. After the first update only the elements whose bits differ from the
 mirror travel, as (flat index, new value) pairs; a weight whose pairs would outweigh it travels
 whole, in the storage dtype (half the bytes of an fp32 trainer's tensor). The worker keeps the same
-mirror, patches it, and writes the whole of it into the engine as a full sync would (so the engine
-stores exactly what a full sync of the trainer's weights would have stored, ties and fused shards
-included, and a stored value changed behind the sync's back is overwritten at the next one).
+mirror, patches it, and writes the whole of it into the engine as a full update would (so the engine
+stores exactly what a full update of the trainer's weights would have stored, ties and fused shards
+included, and a stored value changed behind the update's back is overwritten at the next one).
 Both sides checksum their mirrors (`flashrl.distributed.delta.checksum`). `diff_values` and
 `apply_values_` also carry the int8 / fp8 codes of `flashrl.distributed.delta`: one bitwise diff
 and one in-place write for every kind of weight.
 
 At RL learning rates most bf16 values do not change from one step to the next (the bf16 lag of
-issue 23: 1.4% changed per sync on SmolLM2-135M at lr 1e-5), so the pairs are small.
+issue 23: 1.4% changed per update on SmolLM2-135M at lr 1e-5), so the pairs are small.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The worker side of a sync into a built-in `Engine`: validate the announced tensors, then write
+"""The worker side of an update into a built-in `Engine`: validate the announced tensors, then write
 each one in place as it arrives (re-quantizing a ``tensor``, copying ``codes`` and ``scale``,
 applying a delta's ``index`` / ``changed`` pairs to the stored codes), and checksum what is stored
-(`stored_checksums`, compared with the trainer's after a delta sync)."""
+(`stored_checksums`, compared with the trainer's after a delta update)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def quantized_names(engine) -> dict[str, str]:
 def dense_dtypes(engine) -> dict[str, str]:
     """HF weight name -> storage dtype for every weight the engine keeps unquantized (embeddings,
     norms, biases, the LM head, skipped layers; the widest where one is stored twice): what a delta
-    sync rounds those weights to on the trainer (`flashrl.distributed.dense_delta`)."""
+    update rounds those weights to on the trainer (`flashrl.distributed.dense_delta`)."""
     out = {}
     for name in sorted(engine.weights.expected):
         dtypes = []
@@ -56,7 +56,7 @@ def validate(
     engine, metas: list[TensorMeta], quantized: dict[str, str], dense: dict[str, str] | None = None
 ) -> None:
     """A `WeightError` naming the first announced tensor the engine would refuse (unknown name,
-    wrong shape or dtype), before any byte of the sync is received."""
+    wrong shape or dtype), before any byte of the update is received."""
     dense = dense or {}
     for m in metas:
         shape = engine.weights.shape_of(m.name)
@@ -78,9 +78,9 @@ def validate(
 
 
 class EngineSink:
-    """Writes the tensors of one sync into `engine` as they complete (a weight's ``codes`` or
+    """Writes the tensors of one update into `engine` as they complete (a weight's ``codes`` or
     ``index`` / ``changed`` wait for its ``scale``, which comes last; a dense ``index`` waits for
-    its ``values``). With a `mirror` (a delta sync), the unquantized weights named in `dense` are
+    its ``values``). With a `mirror` (a delta update), the unquantized weights named in `dense` are
     kept there as received and patched by their deltas (`flashrl.distributed.dense_delta`)."""
 
     def __init__(
@@ -94,15 +94,15 @@ class EngineSink:
         e = self.engine
         if meta.kind == "tensor" and self.mirror is not None and meta.name in self.dense:
             self.mirror[meta.name] = tensor.to(e.device, copy=True)
-            e.weights.apply(meta.name, self.mirror[meta.name], checked=True)
+            e.weights.update_tensor(meta.name, self.mirror[meta.name], checked=True)
         elif meta.kind == "tensor":
-            e.weights.apply(meta.name, tensor.to(e.device), checked=True)
+            e.weights.update_tensor(meta.name, tensor.to(e.device), checked=True)
         elif meta.kind == "values":
             if self.mirror is None or meta.name not in self.mirror:
                 raise WeightError(f"a dense delta of {meta.name!r} arrived before its whole value")
             index = self.parts.pop(meta.name)["index"]
             apply_values_(self.mirror[meta.name], index, tensor)
-            e.weights.apply(meta.name, self.mirror[meta.name], checked=True)
+            e.weights.update_tensor(meta.name, self.mirror[meta.name], checked=True)
         elif meta.kind != "scale":
             self.parts.setdefault(meta.name, {})[meta.kind] = tensor
         else:

@@ -2,7 +2,7 @@
 
 Every remote call is waited for with a deadline (`WorkersConfig.timeout`), and a worker that died
 or did not answer in time is named in a `RolloutWorkerError`; the gloo / NCCL group has the same
-timeout, so a sync to a dead worker fails instead of hanging. Ray is imported only here, lazily:
+timeout, so a weight update to a dead worker fails instead of hanging. Ray is imported only here, lazily:
 without it, `require_ray` raises an `UnsupportedError` with the one-line install hint.
 """
 
@@ -21,7 +21,7 @@ from flashrl.core.rollout import Rollout, RolloutBackend
 from flashrl.core.sampling import SamplingParams
 from flashrl.distributed.cluster import check_resources, connect
 from flashrl.distributed.config import WorkersConfig
-from flashrl.distributed.delta import DeltaSender, delta_sync
+from flashrl.distributed.delta import DeltaSender, delta_update
 from flashrl.distributed.transport import (
     BucketBroadcast,
     free_port,
@@ -67,7 +67,8 @@ def require_ray() -> Any:
 
 class WorkerPool:
     """N `RolloutWorker` actors, a process group with the trainer as rank 0, and the calls the
-    trainer makes on them: `submit` / `collect` (generate shards), `sync`, `stats`, `shutdown`.
+    trainer makes on them: `submit` / `collect` (generate shards), `update_weights`, `stats`,
+    `shutdown`.
     `config` is the run's ``rollout.workers`` itself; `device` is where the weight group's buckets
     live (cpu: gloo; cuda: NCCL)."""
 
@@ -162,13 +163,15 @@ class WorkerPool:
             parts.update(zip(mine, got, strict=True))
         return [parts[s] for s in sorted(parts)]
 
-    def sync(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """Broadcast new weights to every worker (phases: plan, stream, finish); returns the bytes
-        sent, the trainer's send time and each worker's sync / requant / KV-calibration time
-        (with the ``delta`` payload also ``delta_*``: the fraction of codes changed and of scales
-        kept, whether the sync was full, how many tensors a checksum mismatch resent)."""
+    def update_weights(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Broadcast new weights to every worker (phases: plan, send, finish); returns
+        ``sent_bytes``, the trainer's ``plan_s`` and ``send_s``, each worker's
+        ``worker<i>/weight_update_s``, ``requantize_s`` and ``kv_calibration_s`` (and their max
+        over workers) and, with the ``delta`` payload, ``delta_*``: the fraction of codes changed
+        and of scales kept, whether the update was full, how many tensors a checksum mismatch
+        resent."""
         if self.config.payload == "delta":
-            return self._sync_delta(named)
+            return self._update_delta(named)
         if self.delta is not None:  # the workers' codes change behind the mirror's back
             self.delta.needs_full = True
         start = time.perf_counter()
@@ -176,17 +179,17 @@ class WorkerPool:
         metas = plan(named, self.config.payload, self.quantized)
         plan_s = time.perf_counter() - start
         sent, results = self._send(metas, payload_tensors(named, metas, self.quantized))
-        out = {"sync/bytes": sent["bytes"], "send_s": sent["send_s"], "plan_s": plan_s}
+        out = {"sent_bytes": sent["sent_bytes"], "send_s": sent["send_s"], "plan_s": plan_s}
         return self._worker_stats(out, results)
 
-    def _sync_delta(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    def _update_delta(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
         c = self.config
         if self.delta is None or (self.delta.band, self.delta.full_every) != (
             c.delta_scale_band,
             c.delta_full_every,
         ):
             self.delta = DeltaSender(c.delta_scale_band, c.delta_full_every)
-        out, results = delta_sync(
+        out, results = delta_update(
             self.delta,
             named,
             self.quantized,
@@ -210,7 +213,7 @@ class WorkerPool:
     def _worker_stats(out: dict[str, float], results: list[dict]) -> dict[str, float]:
         for i, r in enumerate(results):
             out.update({f"worker{i}/{k}": v for k, v in r.items() if k != "checksums"})
-        out["requant_s"] = max(r["requant_s"] for r in results)
+        out["requantize_s"] = max(r["requantize_s"] for r in results)
         out["kv_calibration_s"] = max(r["kv_calibration_s"] for r in results)
         return out
 

@@ -4,7 +4,7 @@ Both split a step's prompts into the same shards (`sharding`), so for a given ``
 rollouts are the same bits in-process, on 1 worker or on N. `submit` starts a step's generation
 and `collect` returns its rollouts; the in-process source generates in `collect`, the pool in
 the background, which is what async rollouts use: the trainer submits step t+1 before it trains
-step t, and the weight sync after step t queues behind that generation on every worker (a Ray
+step t, and the weight update after step t queues behind that generation on every worker (a Ray
 actor runs one call at a time), so step t+1's rollouts come from the weights before step t's
 update: one step stale.
 """
@@ -37,7 +37,7 @@ def shard_calls(
 
 
 class LocalRollouts:
-    """Generation and weight sync in the trainer's process (today's path: no copy)."""
+    """Generation and weight updates in the trainer's process (today's path: no copy)."""
 
     def __init__(
         self, backend: RolloutBackend, num_shards: int = 1, count_changed: bool = False
@@ -45,7 +45,7 @@ class LocalRollouts:
         self.backend, self.num_shards = backend, num_shards
         self.count_changed = count_changed
         """Ask the backend (the built-in engine) what fraction of the stored rollout weights each
-        sync changed (``*_changed_frac`` keys of `sync`)."""
+        update changed (``*_changed_frac`` keys of `update_weights`)."""
 
     def submit(self, encoded: list[list[int]], params: SamplingParams) -> Any:
         return shard_calls(encoded, params, self.num_shards)
@@ -54,15 +54,17 @@ class LocalRollouts:
         bounds, calls = handle
         return merge(bounds, [self.backend.generate(p, s) for p, s in calls])
 
-    def sync(self, named: Any) -> dict[str, float]:
+    def update_weights(self, named: Any) -> dict[str, float]:
+        """The backend's `update_weights`: ``transfer_s``, ``requantize_s``, ``kv_calibration_s``
+        and, with `count_changed`, the ``*_changed_frac`` fractions."""
         if self.count_changed:
             out = self.backend.update_weights(named, count_changed=True)
         else:
             out = self.backend.update_weights(named)
         return {
-            "sync": out.get("transfer_s", 0.0),
-            "requant": out.get("requant_s", 0.0),
-            "kv_calibration": out.get("kv_calibration_s", 0.0),
+            "transfer_s": out.get("transfer_s", 0.0),
+            "requantize_s": out.get("requantize_s", 0.0),
+            "kv_calibration_s": out.get("kv_calibration_s", 0.0),
             **{k: v for k, v in out.items() if k.endswith("_changed_frac")},
         }
 
@@ -71,7 +73,7 @@ class LocalRollouts:
 
 
 class PoolRollouts:
-    """Generation and weight sync on a `WorkerPool` (sharded round robin over its workers)."""
+    """Generation and weight updates on a `WorkerPool` (sharded round robin over its workers)."""
 
     def __init__(self, pool: WorkerPool, num_shards: int) -> None:
         self.pool, self.num_shards = pool, num_shards
@@ -85,17 +87,20 @@ class PoolRollouts:
         bounds, owners, futures = handle
         return merge(bounds, self.pool.collect(futures, owners))
 
-    def sync(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        out = self.pool.sync(named)
+    def update_weights(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """The pool's `update_weights`, keyed as `LocalRollouts.update_weights` (``transfer_s`` is
+        the trainer's broadcast, ``send_s``), plus ``worker<i>/weight_update_s``, ``sent_bytes``
+        and ``delta_*``."""
+        out = self.pool.update_weights(named)
         metrics = {
-            "sync": out["send_s"],
-            "requant": out["requant_s"],
-            "kv_calibration": out["kv_calibration_s"],
+            "transfer_s": out["send_s"],
+            "requantize_s": out["requantize_s"],
+            "kv_calibration_s": out["kv_calibration_s"],
         }
         for key, value in out.items():
-            if key.startswith("worker") and key.endswith("/sync_s"):
-                metrics[f"sync/{key.split('/')[0]}"] = value
-        metrics["bytes"] = out["sync/bytes"]
+            if key.startswith("worker") and key.endswith("/weight_update_s"):
+                metrics[key] = value
+        metrics["sent_bytes"] = out["sent_bytes"]
         metrics.update({k: v for k, v in out.items() if k.startswith("delta_")})
         return metrics
 

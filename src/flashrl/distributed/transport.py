@@ -1,6 +1,6 @@
 """Weight transport from the trainer to rollout workers, in vLLM's weight-transfer phases.
 
-`init` once (the process group), then per sync: `start` (the trainer checks the update and sends
+`init` once (the process group), then per update: `start` (the trainer checks the update and sends
 every worker the list of tensors to expect: names, dtypes, shapes; the workers validate it before a
 byte moves), `update` (the bytes, streamed), `finish` (each worker reports its times).
 
@@ -12,9 +12,9 @@ Three payloads, one wire format:
   fp32 scales; the workers copy them in place. About half the bytes of a bf16 stream for 8-bit
   schemes; the codes a worker ends with are the same bits either way.
 - ``delta``: like ``codes`` with scale hysteresis, but only the codes that changed since the last
-  sync travel, as (index, code) pairs, checked by checksums (`flashrl.distributed.delta`).
+  update travel, as (index, code) pairs, checked by checksums (`flashrl.distributed.delta`).
 
-The bytes of all tensors of a sync form one stream cut into buckets of `bucket_bytes`, each sent
+The bytes of all tensors of an update form one stream cut into buckets of `bucket_bytes`, each sent
 with one `broadcast` from rank 0 (the trainer) to ranks 1..N (the workers). A worker's extra
 memory is one bucket plus the tensor being assembled; the trainer's is one bucket (plus, with
 ``codes``, one tensor's codes). The group is a `torch.distributed` process group made from a TCP
@@ -40,7 +40,7 @@ from flashrl.quant.schemes import QuantScheme, get_scheme
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """One tensor of a sync on the wire: the HF `name`, what it is (``tensor``: a high-precision
+    """One tensor of an update on the wire: the HF `name`, what it is (``tensor``: a high-precision
     weight; ``codes`` / ``scale``: a weight quantized on the trainer; ``index`` / ``changed``: the
     flat positions and new values of the codes a delta changes), its dtype and shape."""
 
@@ -110,7 +110,7 @@ def codes_scheme(name: str, scheme_name: str, payload: str) -> QuantScheme:
 def plan(
     named: Sequence[tuple[str, torch.Tensor]], payload: str, quantized: dict[str, str]
 ) -> list[TensorMeta]:
-    """The tensors of one ``stream`` or ``codes`` sync, in order (``delta``:
+    """The tensors of one ``stream`` or ``codes`` update, in order (``delta``:
     `delta.DeltaSender.plan`). With ``codes``, each name in `quantized` (HF name -> scheme) is
     sent as its codes and scales; everything else (norms, embeddings kept in high precision,
     biases) as it is. Checks every tensor is finite first (`check_finite`)."""
@@ -118,7 +118,7 @@ def plan(
         raise ConfigError(
             f"rollout.workers.payload={payload!r} is invalid; allowed: {', '.join(PAYLOADS)}"
         )
-    assert payload != "delta", "delta syncs are planned by delta.DeltaSender"
+    assert payload != "delta", "delta updates are planned by delta.DeltaSender"
     check_finite(named)
     out = []
     for name, t in named:
@@ -154,7 +154,7 @@ def payload_tensors(
 
 
 class BucketBroadcast:
-    """The byte stream of one sync over `group`, in buckets of `bucket_bytes` (module doc)."""
+    """The byte stream of one update over `group`, in buckets of `bucket_bytes` (module doc)."""
 
     def __init__(
         self, group: torch.distributed.ProcessGroup, device: str, bucket_bytes: int
@@ -165,7 +165,7 @@ class BucketBroadcast:
         self.bucket = torch.empty(bucket_bytes, dtype=torch.uint8, device=self.device)
 
     def send(self, tensors: Iterable[torch.Tensor]) -> dict[str, float]:
-        """Rank 0: broadcast every tensor's bytes; returns bytes sent and seconds."""
+        """Rank 0: broadcast every tensor's bytes; returns ``sent_bytes`` and ``send_s``."""
         start, fill, sent = time.perf_counter(), 0, 0
         size = self.bucket.numel()
         for t in tensors:
@@ -181,7 +181,7 @@ class BucketBroadcast:
         if fill:
             _broadcast(self.group, self.bucket[:fill])
             sent += fill
-        return {"bytes": float(sent), "send_s": time.perf_counter() - start}
+        return {"sent_bytes": float(sent), "send_s": time.perf_counter() - start}
 
     def receive(
         self, metas: Sequence[TensorMeta], sink: Callable[[TensorMeta, torch.Tensor], None]

@@ -31,9 +31,11 @@ class RolloutWorker:
         self.quantized = install.quantized_names(self.backend) if self.is_engine else {}
         self.dense = install.dense_dtypes(self.backend) if self.is_engine else {}
         self.dense_mirror: dict[str, torch.Tensor] = {}
-        """Unquantized weights as last received by a delta sync (patched by the next one)."""
+        """Unquantized weights as last received by a delta update (patched by the next one)."""
         self.broadcast: BucketBroadcast | None = None
-        self.totals = {"syncs": 0.0, "sync_s": 0.0, "install_s": 0.0, "kv_calibration_s": 0.0}
+        self.totals = dict.fromkeys(
+            ("weight_updates", "weight_update_s", "requantize_s", "kv_calibration_s"), 0.0
+        )
 
     def ready(self) -> dict:
         """Who this worker is and which weights it stores quantized (the trainer's plan)."""
@@ -59,15 +61,16 @@ class RolloutWorker:
         return self.index
 
     def receive(self, metas: list[TensorMeta], checksums: bool = False) -> dict[str, Any]:
-        """One sync over the group: validate `metas`, receive and install each tensor, then
-        recalibrate fp8 KV scales. Returns seconds (``sync_s`` in all, ``requant_s`` writing) and,
+        """One weight update over the group: validate `metas`, receive and install each tensor, then
+        recalibrate fp8 KV scales. Returns seconds (``weight_update_s`` in all, ``requantize_s``
+        re-quantizing or, with trainer-quantized codes, writing them, ``kv_calibration_s``) and,
         with `checksums`, ``checksums``: the stored codes' and scales' checksum of every
-        quantized weight of the sync (a delta sync's check, `flashrl.distributed.delta`)."""
+        quantized weight of the update (a delta update's check, `flashrl.distributed.delta`)."""
         assert self.broadcast is not None, "join_group first"
         start = time.perf_counter()
         if self.is_engine:
             install.validate(self.backend, metas, self.quantized, self.dense)
-            mirror = self.dense_mirror if checksums else None  # a delta sync keeps the mirror
+            mirror = self.dense_mirror if checksums else None  # a delta update keeps the mirror
             sink = install.EngineSink(self.backend, self.dense, mirror)
             requant = self.broadcast.receive(metas, sink)
             kv = self._after_update()
@@ -85,7 +88,7 @@ class RolloutWorker:
             received: list[tuple[str, torch.Tensor]] = []
             self.broadcast.receive(metas, lambda m, t: received.append((m.name, t.clone())))
             out = self.backend.update_weights(received)
-            requant, kv = out.get("requant_s", 0.0), out.get("kv_calibration_s", 0.0)
+            requant, kv = out.get("requantize_s", 0.0), out.get("kv_calibration_s", 0.0)
         return self._record(start, requant, kv)
 
     def _after_update(self) -> float:
@@ -95,17 +98,17 @@ class RolloutWorker:
 
     def _record(self, start: float, requant: float, kv: float) -> dict[str, float]:
         total = time.perf_counter() - start
-        for key, value in (("syncs", 1), ("sync_s", total), ("install_s", requant)):
+        out = {"weight_update_s": total, "requantize_s": requant, "kv_calibration_s": kv}
+        for key, value in {"weight_updates": 1.0, **out}.items():
             self.totals[key] += value
-        self.totals["kv_calibration_s"] += kv
-        return {"sync_s": total, "requant_s": requant, "kv_calibration_s": kv}
+        return out
 
     def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """The backend's own `update_weights` (weights through Ray's object store)."""
         return self.backend.update_weights(named)
 
     def stats(self) -> dict[str, float]:
-        """The backend's `stats()` plus this worker's sync totals (``worker/...``)."""
+        """The backend's `stats()` plus this worker's weight-update totals (``worker/...``)."""
         return {**self.backend.stats(), **{f"worker/{k}": v for k, v in self.totals.items()}}
 
     def state(self) -> dict[str, torch.Tensor]:

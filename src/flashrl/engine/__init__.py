@@ -1,5 +1,5 @@
 """The built-in rollout engine: an inference decoder with quantized linear layers, a slot KV cache,
-continuous batching, exact sampling logprobs and in-place weight sync."""
+continuous batching, exact sampling logprobs and in-place weight update."""
 
 from flashrl.core.sampling import SamplingParams
 from flashrl.engine.engine import Engine

@@ -1,4 +1,4 @@
-"""`Engine`: batched generation with exact logprobs over a quantized decoder, in-place weight sync.
+"""`Engine`: batched generation with exact logprobs over a quantized decoder, in-place weight update.
 
 A facade over small parts: `scheduler` (queue, admission into KV-cache slots, finish checks),
 `runner` (prefill and the decode step of `decode`: eager, bucketed or compiled), `sampler` (exact
@@ -131,7 +131,7 @@ class Engine:
     def random_weights(
         self, seed: int = 0, std: float = 0.02
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """A full set of random weights in Hugging Face naming, as a trainer would push them:
+        """A full set of random weights in Hugging Face naming, as a trainer would send them:
         N(0, std) (norms 1), in the activation dtype on the engine's device. Drawn on that device
         (no host generation and copy of a 7B-dim set on GPU), so a seed gives the same weights on
         every run of one device type, not across device types."""
@@ -142,21 +142,21 @@ class Engine:
         """Fill every weight with `random_weights(seed, std)` through the normal update path; for
         benchmarks at real model dimensions without a checkpoint."""
         for name, tensor in self.random_weights(seed, std):
-            self.weights.apply(name, tensor)
+            self.weights.update_tensor(name, tensor)
         self.kv.weights_changed()
 
     @torch.no_grad()
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], count_changed: bool = False
     ) -> dict[str, float]:
-        """Load new weights by Hugging Face name, in any order and grouping (q, k and v may come in
-        separate calls); quantized layers are re-quantized in place with fresh scales.
+        """Update the weights by Hugging Face name, in any order and grouping (q, k and v may come
+        in separate calls); quantized layers are re-quantized in place with fresh scales.
 
         Every tensor is validated before anything is written (`WeightMap.check`: name, shape, a
         float dtype, not meta, no NaN or Inf; two reductions, no copy), so a bad update raises a
         `WeightError` naming the tensor and leaves the engine as it was. Returns seconds
-        (``transfer_s`` to the device, ``requant_s``, ``kv_calibration_s``: 0.0 when there is
-        nothing to calibrate) and, with `count_changed`, the fraction of the sent elements whose
+        (``transfer_s`` to the device, ``requantize_s``, ``kv_calibration_s``: 0.0 when there is
+        nothing to calibrate, ``weight_update_s`` in all), ``tensors`` and, with `count_changed`, the fraction of the sent elements whose
         stored value changed: ``codes_changed_frac`` (quantized codes), ``dense_changed_frac``
         (values kept in high precision) and ``weights_changed_frac`` (both).
 
@@ -170,18 +170,21 @@ class Engine:
         start = time.perf_counter()
         counts = ChangeCounts() if count_changed else None
         self.smoothing.refresh(self.weights, items)  # factors first: then every shard's codes
-        transfer, requant, _ = self.weights.write(items, self.device, counts=counts)
+        transfer, requant, _ = self.weights.update(items, self.device, counts=counts)
         self.kv.weights_changed()
         kv_calibration = self.calibrate_kv() if self.kv.stale and len(self.kv.recent) else 0.0
         result = dict(
             transfer_s=transfer,
-            requant_s=requant,
+            requantize_s=requant,
             kv_calibration_s=kv_calibration,
-            total_s=time.perf_counter() - start,
+            weight_update_s=time.perf_counter() - start,
             tensors=float(len(items)),
         )
         self._stats.add(
-            transfer_s=transfer, requant_s=requant, weight_updates=1, sync_s=result["total_s"]
+            transfer_s=transfer,
+            requantize_s=requant,
+            weight_updates=1,
+            weight_update_s=result["weight_update_s"],
         )
         if counts is not None:
             result.update(counts.fractions())

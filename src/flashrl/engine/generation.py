@@ -91,7 +91,7 @@ class Counters:
     NAMES = (
         "load_s", "generate_calls", "prompts", "sequences", "prompt_tokens", "generated_tokens",
         "generate_s", "prefill_forwards", "prefill_s", "decode_s", "decode_steps",
-        "weight_updates", "sync_s", "transfer_s", "requant_s",
+        "weight_updates", "weight_update_s", "transfer_s", "requantize_s",
     )  # fmt: skip
 
     def __init__(self, **initial: float) -> None:

@@ -33,7 +33,7 @@ read is the CPU reference path: it dequantizes the slice attention needs; a fuse
 would instead dequantize tiles in registers. Static scale buffers are written in place
 (``copy_``), so their storage never moves (captured CUDA graphs keep pointing at them).
 
-Clipping is counted on the device without a sync: ``clipped`` is the number of values whose
+Clipping is counted on the device without a host sync: ``clipped`` is the number of values whose
 ``|x / s|`` exceeded 448 before the clamp, ``written`` the number of values quantized with a
 static scale. A non-zero count means a scale was stale or too tight.
 """

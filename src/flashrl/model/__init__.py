@@ -4,7 +4,7 @@
 - `decoder`: the decoder (`Decoder`), written for inference over a slot KV cache;
 - `batch`: right-padded batches (`pad_right`) and `ForwardBatch`, where a forward's tokens sit;
 - `weights`: the Hugging Face name -> decoder parameter map (`WeightMap`) and the streaming
-  safetensors loader; the same map serves weight sync from a trainer;
+  safetensors loader; the same map serves weight update from a trainer;
 - `kv_calibration`: the fp8 KV-scale calibration rule; `kv_scales`: the scale lifecycle
   (`KVScaleState`).
 

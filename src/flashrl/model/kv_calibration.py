@@ -289,14 +289,16 @@ def calibrate_from_weights(
     one = dataclasses.replace(config, num_layers=1, tie_word_embeddings=True)
     model = Decoder(one, scheme, tuple(skip), dtype, device, max_len=max(map(len, seqs))).eval()
     weights = WeightMap(model)
-    weights.apply("model.embed_tokens.weight", get_tensor("model.embed_tokens.weight").to(device))
+    weights.update_tensor(
+        "model.embed_tokens.weight", get_tensor("model.embed_tokens.weight").to(device)
+    )
     batches = list(padded_batches(seqs, device))
     hidden = [model.embed_tokens(ids) for ids, _ in batches]
     layer_names = sorted(n for n in weights.expected if n.startswith("model.layers.0."))
     observer = KVAmaxObserver(config.num_layers, config.num_kv_heads, device, include_q)
     for layer in range(config.num_layers):
         for name in layer_names:
-            weights.apply(
+            weights.update_tensor(
                 name,
                 get_tensor(f"model.layers.{layer}." + name.removeprefix("model.layers.0.")).to(
                     device

@@ -12,7 +12,7 @@ they go stale whenever the weights change. The state machine, the same for every
 
 A fixed float `kv_scale` never goes stale; ``"dynamic"`` has no static scales at all. The built-in
 engine (`flashrl.engine.Engine`) and the vLLM backend (`flashrl.vllm_backend.kv_scales.KVScaleSync`,
-which calibrates on every push and so never stays stale) each keep one `KVScaleState`.
+which calibrates on every update and so never stays stale) each keep one `KVScaleState`.
 """
 
 from __future__ import annotations

@@ -89,5 +89,5 @@ class SmoothingState:
         for _, group in itertools.groupby(iter_checkpoint_files(model_dir), key=lambda t: t[0]):
             items = [(name, t) for _, name, t in group if not IGNORED.match(name)]
             self.refresh(weights, items)
-            weights.write(items, device)
+            weights.update(items, device)
         self.pending = False

@@ -1,8 +1,8 @@
 """Streaming safetensors loading and the Hugging Face name -> engine parameter mapping.
 
-The same `WeightMap` serves checkpoint loading and per-step weight sync from a trainer: a HF tensor
-name resolves to a `Target` (engine module, which shard of a fused layer, weight or bias), and
-`apply` writes it in place, re-quantizing quantized layers with fresh scales. Mapping (per layer i):
+The same `WeightMap` serves checkpoint loading (`load`) and a trainer's per-step weight update
+(`update`): a HF tensor name resolves to a `Target` (engine module, shard of a fused layer, weight
+or bias) and `update_tensor` writes it in place, re-quantizing with fresh scales. Per layer i:
 
 | Hugging Face name (``model.layers.i.`` ...) | decoder module (``layers.i.`` ...) | shard |
 |---------------------------------------------|------------------------------------|-------|
@@ -247,7 +247,7 @@ class WeightMap:
         return (rows, module.in_features) if target.kind == "weight" else (rows,)
 
     @torch.no_grad()
-    def apply(
+    def update_tensor(
         self,
         name: str,
         tensor: torch.Tensor,
@@ -256,7 +256,7 @@ class WeightMap:
         counts: ChangeCounts | None = None,
         generator: torch.Generator | None = None,
     ) -> int:
-        """Write one HF tensor into the decoder in place (validated first unless `checked`: the
+        """Update one HF tensor of the decoder in place (validated first unless `checked`: the
         caller ran `check` on it); with `count_changed`, returns how many quantized codes changed
         (0 for layers kept in high precision). `counts`, when given, also counts the stored
         elements that changed, quantized and high-precision apart. With a `generator`, weights are
@@ -289,17 +289,17 @@ class WeightMap:
         return changed
 
     @torch.no_grad()
-    def write(
+    def update(
         self,
         items: list[tuple[str, torch.Tensor]],
         device: torch.device,
         count_changed: bool = False,
         counts: ChangeCounts | None = None,
     ) -> tuple[float, float, int]:
-        """`apply` tensors that `check` accepted, each copied to `device` first; returns seconds
-        copying, seconds writing (re-quantizing) and, with `count_changed`, the quantized codes
-        that changed (`counts`: see `apply`). A device failure (e.g. out of memory) gets a note
-        saying how far it got."""
+        """`update_tensor` for each tensor `check` accepted, copied to `device` first; returns
+        seconds copying, seconds re-quantizing (writing, for unquantized layers) and, with
+        `count_changed`, the quantized codes that changed (`counts`: see `update_tensor`). A
+        device failure (e.g. out of memory) gets a note saying how far it got."""
         transfer = requant = 0.0
         changed = 0
         for done, (name, tensor) in enumerate(items):
@@ -308,7 +308,7 @@ class WeightMap:
                 on_device = tensor.detach().to(device, non_blocking=True)
                 synchronize(device)
                 t1 = time.perf_counter()
-                changed += self.apply(
+                changed += self.update_tensor(
                     name,
                     on_device,
                     count_changed=count_changed,
@@ -351,8 +351,8 @@ class WeightMap:
                 yield name, tensor.mul_(std).to(dtype)
 
     def load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Strict load of a whole checkpoint: unknown names raise at once, missing names at the end
-        (a `CheckpointError`)."""
+        """Strict load of a whole checkpoint (`update_tensor` for each): unknown names raise at
+        once, missing names at the end (a `CheckpointError`)."""
         self._load((None, name, tensor) for name, tensor in tensors)
 
     def load_checkpoint(self, model_dir: str | Path) -> None:
@@ -367,7 +367,7 @@ class WeightMap:
             if IGNORED.match(name):
                 continue
             try:
-                self.apply(name, tensor, generator=self.sync_generator)
+                self.update_tensor(name, tensor, generator=self.sync_generator)
             except WeightError as err:
                 raise WeightError(f"{file}: {err}" if file is not None else str(err)) from None
             seen.add(name)

@@ -147,7 +147,7 @@ class QuantLinear(_ShardedLinear, nn.Module):
         Scales are computed from `weight` only and overwrite the old ones. With a `generator` the
         codes are then rounded stochastically (`flashrl.quant.stochastic`: unbiased, so updates
         below half a code step survive on average). Returns the number of codes that changed when
-        `count_changed` is set (a per-sync diagnostic), else 0.
+        `count_changed` is set (a per-update diagnostic), else 0.
         """
         check_float_input(weight, "weight")
         rows = (0, self.out_features) if shard is None else self.shard_rows(shard)

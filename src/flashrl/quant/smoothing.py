@@ -4,7 +4,7 @@ SmoothQuant (Xiao et al., 2023) computes ``x W^T`` as ``(x / s) (W * s)^T`` with
 channel k, ``s_k = max|x_k|^a / max_n |W_nk|^(1-a)``: outlier activation channels shrink, the weight
 columns they meet grow, and both quantize with less error (on SmolLM2-135M, int8's sampled KL
 drops about 3x at a = 0.5; benchmarks/RESULTS.md). Offline recipes calibrate s once and freeze
-it; here s is recomputed at every weight sync (`refresh_`) from
+it; here s is recomputed at every weight update (`refresh_`) from
 
 - the activation statistics gathered in the forward since the previous refresh (a running max of
   |x| per input channel: one extra reduction per layer call, `observe_and_scale`), and

@@ -1,11 +1,11 @@
-"""Stochastic rounding at weight sync: rollout weights whose expectation is the trainer's weight.
+"""Stochastic rounding at weight update: rollout weights whose expectation is the trainer's weight.
 
 Rounding an fp32 master weight to the nearest bf16 value (or int8 / fp8 code) erases every update
 smaller than half a grid step, and the erased part is not noise: it points along the gradient, so a
 bf16 rollout engine falls behind an fp32 trainer step after step (docs/real-model.md). Rounding up
 with probability equal to the distance from the lower neighbour, in grid units, makes the stored
 value unbiased, ``E[stored] = target``: updates of any size survive on average, at the cost of
-rounding noise of at most one grid step per weight, fresh at every sync.
+rounding noise of at most one grid step per weight, fresh at every update.
 
 `stochastic_round_` works on a nearest-rounded tensor and its fp32 target, for int8 codes and for
 the float grids bf16, fp16 and float8_e4m3fn (neighbours found on the bit pattern, so subnormals

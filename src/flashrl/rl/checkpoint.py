@@ -36,6 +36,7 @@ from flashrl.errors import CheckpointError, ConfigError
 from flashrl.fileio import atomic_write_text, fsync_dir, fsync_tree
 from flashrl.rl.durable import disk_full_message, tree_bytes
 from flashrl.rl.manifest import check_manifest, write_manifest
+from flashrl.rl.metric_names import upgrade_row
 
 logger = logging.getLogger(__name__)
 
@@ -375,9 +376,10 @@ def _metrics_lines(path: Path) -> list[tuple[dict[str, Any], str]]:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl. A torn last line (a write cut by a crash) is dropped with a
-    warning; a bad line elsewhere is a CheckpointError naming the file and line."""
-    return [row for row, _ in _metrics_lines(Path(path))]
+    """The rows of a metrics.jsonl, in today's key names (old ones renamed by
+    `flashrl.rl.metric_names.upgrade_row`). A torn last line (a write cut by a crash) is dropped
+    with a warning; a bad line elsewhere is a CheckpointError naming the file and line."""
+    return [upgrade_row(row) for row, _ in _metrics_lines(Path(path))]
 
 
 def truncate_metrics(path: Path, step: int) -> None:

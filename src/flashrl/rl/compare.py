@@ -3,7 +3,7 @@
 A variant is a weight scheme (`bf16`, `int8`, `fp8`, ...; `bf16` also sets the rollout dtype to
 bf16), or `fp32` / `fp16`: unquantized rollouts in that dtype (`fp32` is the trainer's own precision
 in an fp32 run: the reference a quantized run is compared with); optionally followed by ``-sq``
-(online smoothing, ``rollout.smooth: 0.5``), ``-sr`` (stochastic rounding at weight sync,
+(online smoothing, ``rollout.smooth: 0.5``), ``-sr`` (stochastic rounding at weight update,
 ``rollout.sync_rounding: stochastic``) and ``-notis`` (no importance weight), e.g. ``bf16-sr``,
 ``int8-sq``, ``int8-sr-notis``."""
 

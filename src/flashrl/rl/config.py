@@ -131,7 +131,7 @@ class RunConfig:
     """Print a few of them every N steps (0: never)."""
     log_weight_changes: bool = setting(False, resume_free=True)
     """Log the fraction of stored rollout weights (quantized codes and high-precision values) each
-    weight sync changed (`sync/*_changed_frac`; built-in engine in the trainer's process; one
+    weight update changed (`weight_update/*_changed_frac`; built-in engine in the trainer's process; one
     clone and compare per tensor)."""
     compare: str | None = setting(None, resume_free=True)
     """Comma-separated rollout precisions to run one after another with the same seed and data,

@@ -7,7 +7,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-TIME_PARTS = ("rollout", "logprobs", "train", "sync", "requant")
+TIME_PARTS = ("rollout", "logprobs", "train", "transfer", "requantize")
+"""The phases of the step-time split: ``time/<part>_s`` of metrics.jsonl."""
 
 
 def _pyplot():
@@ -44,7 +45,7 @@ def plot_runs(runs: dict[str, list[dict]], path: str | Path) -> Path | None:
     for part in TIME_PARTS:
         values = []
         for name in names:
-            vals = [m.get(f"time/{part}", 0.0) for m in runs[name]]
+            vals = [m.get(f"time/{part}_s", 0.0) for m in runs[name]]
             values.append(sum(vals) / max(len(vals), 1))
         axes[2].bar(names, values, bottom=bottoms, label=part)
         bottoms = [b + v for b, v in zip(bottoms, values)]

@@ -33,10 +33,10 @@ def summarize(name: str, metrics: list[dict], window: int = 5) -> dict:
         truncated=mean(metrics, "response/truncated_frac"),
         resp_len=mean(metrics, "response/length_mean"),
         tok_per_s=mean(metrics, "throughput/rollout_tokens_per_s"),
-        step_s=mean(metrics, "time/step"),
+        step_s=mean(metrics, "time/step_s"),
     )
     for part in TIME_PARTS:
-        row[f"{part}_s"] = mean(metrics, f"time/{part}")
+        row[f"{part}_s"] = mean(metrics, f"time/{part}_s")
     return row
 
 

@@ -1,4 +1,4 @@
-"""The RL loop: GRPO / DAPO with quantized rollouts, per-step weight sync and rollout correction.
+"""The RL loop: GRPO / DAPO with quantized rollouts, per-step weight update and rollout correction.
 
 One step, top to bottom (the rollout engine in the trainer's process, or in rollout workers on
 Ray with `rollout.workers.count`, docs/distributed.md):
@@ -17,11 +17,11 @@ Ray with `rollout.workers.count`, docs/distributed.md):
 6. PPO-clip loss with clip-higher (and optional dual clip, KL to the initial policy) multiplied by
    the IS weights; gradient accumulation over micro-batches; gradient clipping; optimizer step.
    With `mini_batches > 1` the batch is split into several optimizer steps (off-policy within it).
-7. Weight sync: the trainer's parameters stream by name into the backend (or are broadcast to the
+7. Weight update: the trainer's parameters stream by name into the backend (or are broadcast to the
    workers), which re-quantizes in place with fresh scales. Each phase's time is logged.
 
 Each phase is a function or small object in `flashrl.rl.phases` (1-2: generate, 3: score,
-4-6: update, 7: sync, then record), called in order by `Trainer.train_step`; this module keeps
+4-6: update, 7: weight update, then record), called in order by `Trainer.train_step`; this module keeps
 set-up, the loop and checkpoints.
 
 Outputs in `output_dir`: `metrics.jsonl` (one line per step), `config.yaml`, checkpoints in
@@ -59,7 +59,7 @@ from flashrl.rl.durable import append_line
 from flashrl.rl.phases.generate import Generator
 from flashrl.rl.phases.record import StepResult, record
 from flashrl.rl.phases.score import score
-from flashrl.rl.phases.sync import sync
+from flashrl.rl.phases.weight_update import update_rollout_weights
 from flashrl.rl.phases.update import Learner
 from flashrl.rl.plan import plan_run
 from flashrl.rl.rewards import get_reward
@@ -152,16 +152,16 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One RL step as its phases (`flashrl.rl.phases`): generate, score, update (trainer
-        logprobs, correction, policy loss), sync, record; returns the step's metrics."""
+        logprobs, correction, policy loss), weight update, record; returns the step's metrics."""
         start = time.perf_counter()
         generated = self.generator.generate(self.step)
         scored = score(generated.examples, generated.rollouts, self.reward_fn, self.config.algo)
-        updated = synced = None
+        updated = weight_update = None
         if scored.keep.any():  # else every group's rewards are equal (dynamic sampling): skip
             updated = self.learner.update(generated.rollouts, scored, self.step)
-            synced = sync(self.rollouts, self.policy)
+            weight_update = update_rollout_weights(self.rollouts, self.policy)
         seconds = time.perf_counter() - start
-        result = StepResult(self.step, generated, scored, updated, synced, seconds)
+        result = StepResult(self.step, generated, scored, updated, weight_update, seconds)
         metrics = record(result, self.config, self.device, self.tokenizer, self.samples_path)
         self.step += 1
         return metrics

@@ -3,15 +3,15 @@ ignored).
 
 For each scheme and KV-cache dtype the same prompts are generated with the same seed; the table
 reports output tokens/s and its ratio to the first row (bf16 when listed first), time to first
-token (the prefill of the batch), weight sync (transfer) and requantization time for a full set of
-new weights, weight and KV memory, peak memory, and the memory-bandwidth floor of a decode step
+token (the prefill of the batch), the weight update's ``transfer_s`` and ``requantize_s`` for a
+full set of new weights, weight and KV memory, peak memory, and the memory-bandwidth floor of a decode step
 (weights + KV read once at the measured copy bandwidth). `--random-weights` builds a model of real
 dimensions with random weights, so GPU throughput can be measured without a checkpoint; `--hf` adds
 `transformers` generate.
 
-KV cache (`--kv-cache-dtype bf16,fp8`): fp8 rows add ``kv_calib_s`` (recalibrating the KV scales
-after the weight push) and ``kv_kl``, the mean per-token KL(fp8-KV || unquantized KV) of the
-next-token distributions, teacher-forced on the row's own generated sequences
+KV cache (`--kv-cache-dtype bf16,fp8`): fp8 rows add ``kv_calibration_s`` (recalibrating the KV
+scales after the weight update) and ``kv_kl``, the mean per-token KL(fp8-KV || unquantized KV) of
+the next-token distributions, teacher-forced on the row's own generated sequences
 (`Engine.kv_cache_mismatch`; 0 for unquantized rows). `--kv-budget-gib` adds ``max_sequences``: how
 many sequences of prompt + output length fit in that much KV cache.
 
@@ -79,7 +79,7 @@ class BenchConfig:
     """JSON output file ('' for none; non-finite numbers are written as null)."""
     kv_cache_dtype: str = "bf16"
     """Comma-separated KV-cache dtypes (bf16, fp8); each scheme runs with each. fp8 rows report
-    kv_kl, the KL to an unquantized cache, and kv_calib_s, the scale recalibration time."""
+    kv_kl, the KL to an unquantized cache, and kv_calibration_s, the scale recalibration time."""
     kv_budget_gib: float | None = None
     """KV-cache budget in GiB: report max_sequences (prompt + output length) that fit in it."""
     compile: str = "none"
@@ -265,8 +265,8 @@ def _bench_engine(
         kv_kl = engine.kv_cache_mismatch(
             [o.prompt_ids for o in outs], [o.response_ids for o in outs]
         )["kl"]
-    new_weights = list(engine.random_weights(cfg.seed + 1))  # drawn first: only the push is timed
-    sync = engine.update_weights(new_weights)
+    new_weights = list(engine.random_weights(cfg.seed + 1))  # drawn first: only the update is timed
+    update = engine.update_weights(new_weights)
     del new_weights
     capacity = _kv_capacity(engine, cfg.kv_budget_gib, kv_cache_dtype, max_len)
     steps = after["decode_steps"] - before["decode_steps"]
@@ -283,9 +283,9 @@ def _bench_engine(
         prefill_forwards=after["prefill_forwards"] - before["prefill_forwards"],
         decode_s=after["decode_s"] - before["decode_s"],
         decode_steps=steps,
-        sync_s=sync["transfer_s"],
-        requant_s=sync["requant_s"],
-        kv_calib_s=sync["kv_calibration_s"],
+        transfer_s=update["transfer_s"],
+        requantize_s=update["requantize_s"],
+        kv_calibration_s=update["kv_calibration_s"],
         weight_gib=after["weight_bytes"] / 2**30,
         kv_gib=after["kv_cache_bytes"] / 2**30,
         kv_bytes_per_token=after["kv_bytes_per_token"],

@@ -30,9 +30,9 @@ class BenchRow:
     prefill_forwards: int | None = None
     decode_s: float | None = None
     decode_steps: int | None = None
-    sync_s: float | None = None
-    requant_s: float | None = None
-    kv_calib_s: float | None = None
+    transfer_s: float | None = None
+    requantize_s: float | None = None
+    kv_calibration_s: float | None = None
     weight_gib: float | None = None
     kv_gib: float | None = None
     kv_bytes_per_token: int | None = None
@@ -66,9 +66,9 @@ COLUMNS = [
     "decode_shapes",
     "warmup_s",
     "ttft_s",
-    "sync_s",
-    "requant_s",
-    "kv_calib_s",
+    "transfer_s",
+    "requantize_s",
+    "kv_calibration_s",
     "weight_gib",
     "kv_gib",
     "max_sequences",

@@ -63,7 +63,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         help="rollout throughput per precision (fixed output length)",
         description="Generate the same prompts with each scheme (EOS ignored, fixed "
         "output length) and report tokens/s, ratio to the first scheme, "
-        "TTFT, weight sync + requant time, memory.",
+        "TTFT, weight-update transfer and requantize time, memory.",
     )
     source = p.add_mutually_exclusive_group(required=True)
     add_fields(source, bench_tool.BenchConfig, only=("model", "random_weights"))
@@ -159,7 +159,7 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
         "verify",
         help="deterministic self-test of the install on this device (PASS/FAIL)",
         description="Check this install on this device with tiny built-in "
-        "models: GEMM kernels vs references, reload exactness (update "
+        "models: GEMM kernels vs references, update exactness (update "
         "vs fresh load), logprob exactness vs float64 recomputation, "
         "KV-cache path vs full forward, and the vLLM backend if "
         "installed. Exits 1 if any check fails; SKIP rows (e.g. a "

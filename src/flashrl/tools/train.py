@@ -25,7 +25,7 @@ def add_train(sub: argparse._SubParsersAction) -> None:
         allow_abbrev=False,
         help="GRPO/DAPO training with quantized rollouts (default: tiny task on CPU)",
         description="RL training: rollouts with a quantized engine, per-step weight "
-        "sync and rollout correction. With no arguments, trains the "
+        "update and rollout correction. With no arguments, trains the "
         "built-in tiny model on CPU.",
         epilog="Every TrainConfig field is a flag --group.field VALUE (defaults "
         "below are the dataclass's; the preset sets some). The flat flags of "

@@ -6,11 +6,11 @@ has the table of checks and tolerances, and why `logprobs` and `kv_cache` are tw
 
 - ``gemm`` (quantized schemes): quantizer round trip, int8 accumulator, `QuantLinear` outputs vs
   float64 references (`flashrl.tools.verify_checks`);
-- ``reload``: `update_weights` in place equals a fresh load, bit for bit;
+- ``update``: `update_weights` in place equals a fresh load, bit for bit;
 - ``logprobs``: every sampled token's logprob vs a float64 recomputation from the logits the
   engine sampled from (observed with `Engine.add_sample_observer`);
 - ``kv_cache``: the cached decode path vs the engine's own no-cache forward;
-- ``vllm``: `WeightSync.push` into vLLM equals a fresh vLLM engine (`flashrl.tools.verify_vllm`).
+- ``vllm``: `WeightUpdater.update_weights` into vLLM equals a fresh vLLM engine (`flashrl.tools.verify_vllm`).
 
 A scheme that cannot run on the device is a SKIP row with the reason; a SKIP is not a PASS. Any
 exception inside a check is a FAIL row naming it. The checks are registered in `CHECKS` (name ->
@@ -32,7 +32,7 @@ import torch
 
 from flashrl.core.device import resolve_device
 from flashrl.quant.schemes import SCHEMES, get_scheme
-from flashrl.tools.verify_checks import check_gemm, check_kv_cache, check_logprobs, check_reload
+from flashrl.tools.verify_checks import check_gemm, check_kv_cache, check_logprobs, check_update
 from flashrl.tools.verify_context import (
     FAIL,
     GEMM_BF16_TOL,
@@ -69,7 +69,7 @@ CHECKS: dict[str, Check] = {
         "quantized",
         f"int8 acc exact; fp32 rel <= {GEMM_FP32_TOL:g}; bf16 rel <= {GEMM_BF16_TOL:g}",
     ),
-    "reload": Check(check_reload, "all", "bit-exact"),
+    "update": Check(check_update, "all", "bit-exact"),
     "logprobs": Check(check_logprobs, "all", f"max <= {LOGPROB_TOL:g} nats"),
     "kv_cache": Check(
         check_kv_cache,

@@ -1,4 +1,4 @@
-"""The checks of `flashrl verify` that need no vLLM: `gemm`, `reload`, `logprobs`, `kv_cache`
+"""The checks of `flashrl verify` that need no vLLM: `gemm`, `update`, `logprobs`, `kv_cache`
 (what each compares and its tolerance: the table in `flashrl.tools.verify`). Each takes the shared
 `VerifyContext` and a scheme and returns the row's detail (or ``(status, detail)``), raising
 `CheckFailed` with the detail when the comparison fails."""
@@ -139,7 +139,7 @@ def _dequantize_activation(xq: torch.Tensor, x_scale: torch.Tensor, s: QuantSche
 
 
 # ------------------------------------------------------------------------------------------------
-# (a) reload exactness
+# (a) update exactness
 # ------------------------------------------------------------------------------------------------
 
 
@@ -156,7 +156,7 @@ def _update_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[tuple[str, 
     return [g for g in groups if g] + [rest]
 
 
-def check_reload(ctx: VerifyContext, scheme: str) -> str:
+def check_update(ctx: VerifyContext, scheme: str) -> str:
     """update_weights(B) into an engine loaded from A equals a fresh load of B, bit for bit, in
     place."""
     engine = ctx.engine("a", scheme)

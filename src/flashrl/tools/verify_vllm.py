@@ -1,4 +1,4 @@
-"""The `vllm` check of `flashrl verify`: a vLLM engine on checkpoint A, `WeightSync.push` of
+"""The `vllm` check of `flashrl verify`: a vLLM engine on checkpoint A, `WeightUpdater.update_weights` of
 checkpoint B, and a fresh vLLM engine on B give the same greedy tokens and logprobs (SKIP when vLLM
 is not installed)."""
 
@@ -32,7 +32,7 @@ def _environ(values: Mapping[str, str | None]) -> Iterator[None]:
 
 
 def check_vllm(ctx: VerifyContext, scheme: str) -> str | tuple[str, str]:
-    """vLLM engine on A + WeightSync.push(B) gives the greedy tokens and logprobs of a fresh
+    """vLLM engine on A + WeightUpdater.update_weights(B) gives the greedy tokens and logprobs of a fresh
     engine on B."""
     if importlib.util.find_spec("vllm") is None:
         return SKIP, "vLLM is not installed (see docs/vllm.md, Install)"
@@ -48,7 +48,7 @@ def check_vllm(ctx: VerifyContext, scheme: str) -> str | tuple[str, str]:
     with _environ(env):
         import vllm
 
-        from flashrl.vllm_backend import WeightSync, engine_kwargs
+        from flashrl.vllm_backend import WeightUpdater, engine_kwargs
 
         kwargs = dict(
             dtype="bfloat16",
@@ -67,7 +67,7 @@ def check_vllm(ctx: VerifyContext, scheme: str) -> str | tuple[str, str]:
         llm = vllm.LLM(str(ctx.checkpoint("a")), **kwargs)
         try:
             before = _greedy_outputs(vllm, llm)
-            WeightSync(llm).push(load_state_dict(ctx.checkpoint("b")).items())
+            WeightUpdater(llm).update_weights(load_state_dict(ctx.checkpoint("b")).items())
             after = _greedy_outputs(vllm, llm)
         finally:
             llm.llm_engine.engine_core.shutdown()
@@ -77,10 +77,10 @@ def check_vllm(ctx: VerifyContext, scheme: str) -> str | tuple[str, str]:
         )
     if after != expected:
         raise CheckFailed(
-            f"{scheme}: greedy outputs after WeightSync.push differ from a fresh vLLM engine"
+            f"{scheme}: greedy outputs after WeightUpdater.update_weights differ from a fresh vLLM engine"
         )
     return (
-        f"vLLM {vllm.__version__}, {scheme}: greedy tokens and logprobs after push equal a "
+        f"vLLM {vllm.__version__}, {scheme}: greedy tokens and logprobs after an update equal a "
         f"fresh engine"
     )
 

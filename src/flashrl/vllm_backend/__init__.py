@@ -1,14 +1,14 @@
 """flashrl inside vLLM: online INT8 / FP8 rollouts re-quantized every step, through vLLM's extension points.
 
     from vllm import LLM
-    from flashrl.vllm_backend import WeightSync, engine_kwargs
+    from flashrl.vllm_backend import WeightUpdater, engine_kwargs
 
     llm = LLM(model_dir, **engine_kwargs("int8"))      # or FLASHRL_CONFIG=int8 and engine_kwargs()
-    sync = WeightSync(llm)
+    updater = WeightUpdater(llm)
     for step in ...:
         outputs = llm.generate(prompts, sampling_params)   # logprobs: processed, as sampled
         ...train...
-        timings = sync.push(trainer.named_parameters())     # re-quantized, prefix cache reset
+        stats = updater.update_weights(trainer.named_parameters())  # re-quantized, prefix cache reset
 
 | module          | what                                                                                 |
 |-----------------|--------------------------------------------------------------------------------------|
@@ -19,10 +19,10 @@
 | `direct_load`, `kernels` | a trainer's `model.load_weights` into quantized layers; vLLM's scaled-mm kernels |
 | `transfer`      | the ``flashrl`` weight-transfer backend and the ``flashrl_*`` worker methods        |
 | `config`        | `engine_kwargs` (``LLM(...)`` arguments for a scheme) and the FLASHRL_CONFIG handling |
-| `weight_sync`   | `WeightSync`: trainer parameters -> running ``LLM``, grouped by layer, with timings  |
+| `weight_update` | `WeightUpdater`: trainer parameters -> running ``LLM``, grouped by layer, with timings |
 | `backend`       | `VLLMBackend`: the `flashrl.core.RolloutBackend` protocol on top of ``vllm.LLM``       |
 
-Importing this package does not import vLLM; `WeightSync` and `VLLMBackend` import it on first use.
+Importing this package does not import vLLM; `WeightUpdater` and `VLLMBackend` import it on first use.
 """
 
 from __future__ import annotations
@@ -34,21 +34,21 @@ from flashrl.vllm_backend.names import METHOD_NAMES, TESTED_VLLM_VERSIONS, TRANS
 
 if TYPE_CHECKING:
     from flashrl.vllm_backend.backend import VLLMBackend
-    from flashrl.vllm_backend.weight_sync import WeightSync
+    from flashrl.vllm_backend.weight_update import WeightUpdater
 
 __all__ = [
     "METHOD_NAMES",
     "TESTED_VLLM_VERSIONS",
     "TRANSFER_BACKEND",
     "VLLMBackend",
-    "WeightSync",
+    "WeightUpdater",
     "engine_kwargs",
     "rollout_config",
 ]
 
 _LAZY = {
     "VLLMBackend": "flashrl.vllm_backend.backend",
-    "WeightSync": "flashrl.vllm_backend.weight_sync",
+    "WeightUpdater": "flashrl.vllm_backend.weight_update",
 }
 
 

@@ -2,7 +2,7 @@
 
 The trainer talks to this class exactly as to the built-in engine: `generate` returns `Rollout`s
 whose ``logprobs`` are vLLM's processed logprobs (the distribution sampled from: temperature,
-top-k, top-p applied), `update_weights` pushes new weights through `WeightSync` (re-quantizing
+top-k, top-p applied), `update_weights` sends new weights through `WeightUpdater` (re-quantizing
 in vLLM), and `stats` reports counters and seconds per phase.
 
 Raw logprobs (``SamplingParams(raw_logprobs=True)``) are not returned by vLLM alongside processed
@@ -10,7 +10,7 @@ ones; they are computed by a second, prefill-only pass over prompt + response wi
 logprobs (always raw).
 
 FP8 KV cache with calibrated scales: every `generate` hands its sequences (prompt + response) to
-`WeightSync.remember_kv`, so each push recalibrates on the latest rollouts; the first `generate`
+`WeightUpdater.remember_kv`, so each update recalibrates on the latest rollouts; the first `generate`
 recalibrates the start-up scales (computed from random token ids) on its own prompts first.
 """
 
@@ -51,7 +51,7 @@ class VLLMBackend:
     ) -> None:
         from vllm import LLM
 
-        from flashrl.vllm_backend.weight_sync import WeightSync
+        from flashrl.vllm_backend.weight_update import WeightUpdater
 
         check_trust_remote_code(llm_kwargs, "VLLMBackend(**llm_kwargs)")
         check_no_custom_code(model_dir)  # vLLM loads the folder with transformers too
@@ -64,7 +64,7 @@ class VLLMBackend:
             **NO_REMOTE_CODE,
         }
         self.llm = LLM(str(model_dir), **kwargs)
-        self.sync = WeightSync(self.llm)
+        self.updater = WeightUpdater(self.llm)
         self._stats: dict[str, float] = dict.fromkeys(
             (
                 "generate_calls",
@@ -75,9 +75,9 @@ class VLLMBackend:
                 "generate_s",
                 "raw_logprob_s",
                 "weight_updates",
-                "sync_s",
+                "weight_update_s",
                 "transfer_s",
-                "requant_s",
+                "requantize_s",
                 "kv_calibration_s",
             ),
             0.0,
@@ -92,9 +92,9 @@ class VLLMBackend:
 
         vLLM refuses ``n > 1`` with greedy sampling, so greedy requests are repeated instead.
         """
-        start = time.perf_counter()
-        if self.sync.kv.calibrated and self.sync.kv.from_fallback and self.sync.version == 0:
-            self._stats["kv_calibration_s"] += self.sync.calibrate_kv(self._token_ids(prompts))
+        start, up = time.perf_counter(), self.updater
+        if up.kv.calibrated and up.kv.from_fallback and up.version == 0:
+            self._stats["kv_calibration_s"] += self.updater.calibrate_kv(self._token_ids(prompts))
         repeat = params.n if params.greedy else 1
         requests = [self._prompt(p) for p in prompts for _ in range(repeat)]
         outputs = self.llm.generate(
@@ -130,7 +130,7 @@ class VLLMBackend:
         ordered = sorted(
             rollouts, key=lambda r: (r.sample_index, r.prompt_index)
         )  # one sample per prompt first
-        self.sync.remember_kv(r.prompt_ids + r.response_ids for r in ordered)
+        self.updater.remember_kv(r.prompt_ids + r.response_ids for r in ordered)
         if params.raw_logprobs:
             raw_start = time.perf_counter()
             for rollout, raw in zip(
@@ -146,13 +146,12 @@ class VLLMBackend:
         return rollouts
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """Push new weights (Hugging Face names) into vLLM; returns `WeightSync.push` timings."""
-        timings = self.sync.push(named_tensors)
+        """Update vLLM's weights (Hugging Face names); returns `WeightUpdater.update_weights`'s
+        stats."""
+        timings = self.updater.update_weights(named_tensors)
         self._stats["weight_updates"] += 1
-        self._stats["sync_s"] += timings["total_s"]
-        self._stats["transfer_s"] += timings["transfer_s"]
-        self._stats["requant_s"] += timings["requant_s"]
-        self._stats["kv_calibration_s"] += timings["kv_calibration_s"]
+        for key in ("weight_update_s", "transfer_s", "requantize_s", "kv_calibration_s"):
+            self._stats[key] += timings[key]
         return timings
 
     def stats(self) -> dict[str, float]:
@@ -160,10 +159,10 @@ class VLLMBackend:
         start-up), ``raw_logprob_s``, plus the current fp8 KV scales (``kv_{k,v}_scale_{mean,max}``)
         when they are calibrated."""
         stats = dict(self._stats)
-        stats["kv_calibration_s"] += self.sync.kv_start_s
+        stats["kv_calibration_s"] += self.updater.kv_start_s
         generate_s = stats["generate_s"]
         stats["tokens_per_s"] = stats["generated_tokens"] / generate_s if generate_s > 0 else 0.0
-        stats.update(self.sync.kv.summary())
+        stats.update(self.updater.kv.summary())
         return stats
 
     # ------------------------------------------------------------------ extras

@@ -15,7 +15,7 @@ from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.vllm_backend.names import METHOD_NAMES, TRANSFER_BACKEND, WORKER_EXTENSION
 
 ADDITIONAL_CONFIG_KEY = "flashrl_kv_scale"
-"""``LLM(additional_config={...})`` key holding the rollout config's ``kv_scale`` (read by `WeightSync`)."""
+"""``LLM(additional_config={...})`` key holding the rollout config's ``kv_scale`` (read by `WeightUpdater`)."""
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +66,10 @@ def engine_kwargs(scheme: str | RolloutConfig | None = None) -> dict[str, Any]:
       skip list when it differs from the default;
     - ``logprobs_mode="processed_logprobs"``: logprobs of the distribution actually sampled from;
     - ``weight_transfer_config={"backend": "flashrl"}`` and the ``flashrl_*`` worker extension,
-      which `WeightSync` uses to push new weights every step;
+      which `WeightUpdater` uses to update the weights every step;
     - for ``kv_cache_dtype: fp8``: ``kv_cache_dtype="fp8"`` plus ``additional_config=
-      {"flashrl_kv_scale": kv_scale}`` (``calibrated`` or a float), which `WeightSync` reads to set
-      the static per-layer scales at start-up and after every push (vLLM resets them to 1.0 on each
+      {"flashrl_kv_scale": kv_scale}`` (``calibrated`` or a float), which `WeightUpdater` reads to set
+      the static per-layer scales at start-up and after every update (vLLM resets them to 1.0 on each
       reload); with ``kv_scale: dynamic``, vLLM's ``fp8_per_token_head`` cache (scales per token and
       head at write time, no calibration), which vLLM 0.32 runs only in CUDA Triton attention.
 
@@ -177,8 +177,8 @@ def _apply_skip_and_kv_cache(
             }
             changed.append("additional_config")
             logger.warning(
-                "FLASHRL_CONFIG asks for an fp8 KV cache: flashrl's WeightSync / VLLMBackend set its scales "
-                "at start-up and after each push; an engine whose weights are reloaded by other code runs "
+                "FLASHRL_CONFIG asks for an fp8 KV cache: flashrl's WeightUpdater / VLLMBackend set its scales "
+                "at start-up and after each update; an engine whose weights are reloaded by other code runs "
                 "with vLLM's default scales of 1.0"
             )
     return changed

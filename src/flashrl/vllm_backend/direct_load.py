@@ -1,6 +1,6 @@
 """Direct ``model.load_weights`` into flashrl-quantized vLLM layers: validate, stage, re-quantize.
 
-RL trainers push new weights by calling the vLLM model's ``load_weights`` themselves, outside
+RL trainers update weights by calling the vLLM model's ``load_weights`` themselves, outside
 vLLM's layerwise reload: TRL colocate and OpenRLHF one tensor per call, verl all tensors in one
 call (shared/reference/vllm.md section 2.2b). Without help, such a load reaches a quantized
 layer's *code* parameter with a float checkpoint tensor: fused layers fail vLLM's shape assert,
@@ -21,7 +21,7 @@ flashrl's linear method therefore installs its own ``weight_loader`` on every pa
 A layer whose shards never all arrive keeps its previous weights whole (never half old, half
 new). `report_pending` logs a warning per such layer naming the missing shards and counts it in
 `load_stats()["incomplete_groups"]`; flashrl's LM-head method calls it before every logits
-computation, which vLLM runs eagerly, so a sync that ends incomplete is reported at the next
+computation, which vLLM runs eagerly, so an update that ends incomplete is reported at the next
 generation step.
 """
 
@@ -46,9 +46,9 @@ PROCESSED_FLAG = "_already_called_process_weights_after_loading"
 _pending: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _stats: dict[str, float] = {
     "direct_tensors": 0,
-    "layers_committed": 0,
+    "layers_requantized": 0,
     "incomplete_groups": 0,
-    "commit_s": 0.0,
+    "requantize_s": 0.0,
 }
 _unlogged = {"layers": 0, "seconds": 0.0, "schemes": set()}
 """Quantizations since the last `on_step` log line (any load path)."""
@@ -63,12 +63,12 @@ def note_quantized(scheme: str, seconds: float) -> None:
 
 def load_stats(reset: bool = False) -> dict[str, float]:
     """Counters of direct loads in this process: ``direct_tensors`` (tensors staged),
-    ``layers_committed`` (layers re-quantized from staged tensors), ``incomplete_groups`` (layers
-    reported with missing shards), ``commit_s`` (seconds re-quantizing), ``pending_layers`` (layers
+    ``layers_requantized`` (layers re-quantized from staged tensors), ``incomplete_groups`` (layers
+    reported with missing shards), ``requantize_s`` (seconds re-quantizing), ``pending_layers`` (layers
     holding staged shards now). `reset` zeroes the counters after reading."""
     stats = {**_stats, "pending_layers": float(len(_pending))}
     if reset:
-        _stats.update(direct_tensors=0, layers_committed=0, incomplete_groups=0, commit_s=0.0)
+        _stats.update(direct_tensors=0, layers_requantized=0, incomplete_groups=0, requantize_s=0.0)
     return stats
 
 
@@ -84,7 +84,7 @@ def check_incoming(tensor: Any, name: str) -> None:
     if tensor.is_meta:
         raise WeightError(f"{name}: tensor is on the meta device (no data)")
     # amax and amin propagate NaN and carry +-Inf: two reductions, no tensor-sized temporary
-    # (an isfinite mask cost a third of a sync at 0.5B dims). The full count runs only on failure.
+    # (an isfinite mask cost a third of an update at 0.5B dims). The full count runs only on failure.
     if tensor.numel() and not bool(
         torch.isfinite(torch.stack([tensor.amax(), tensor.amin()])).all()
     ):
@@ -135,12 +135,12 @@ def make_weight_loader(
     layer: torch.nn.Module,
     vllm_loader: Callable,
     new_staging_weight: Callable[[torch.nn.Module], torch.Tensor],
-    commit: Callable[[torch.nn.Module, torch.Tensor], None],
+    requantize: Callable[[torch.nn.Module, torch.Tensor], None],
 ) -> Callable:
     """The ``weight_loader`` of a flashrl-quantized layer's weight (see the module docstring).
 
     `new_staging_weight(layer)` makes a checkpoint-format parameter vLLM's loader can fill;
-    `commit(layer, weight)` re-quantizes the layer in place from a complete staged weight.
+    `requantize(layer, weight)` re-quantizes the layer in place from a complete staged weight.
     """
     layer_ref = weakref.ref(layer)
 
@@ -163,12 +163,11 @@ def make_weight_loader(
         _stats["direct_tensors"] += 1
         if staging.arrived >= set(shard_ids(owner)):
             start = time.perf_counter()
-            commit(owner, staging.weight.data)
+            requantize(owner, staging.weight.data)
             if staging.bias is not None:
                 owner.bias.data.copy_(staging.bias)
             clear_staging(owner)
-            _stats["layers_committed"] += 1
-            _stats["commit_s"] += time.perf_counter() - start
+            count_requantized(time.perf_counter() - start)
         return None
 
     return weight_loader
@@ -176,7 +175,7 @@ def make_weight_loader(
 
 def make_bias_loader(layer: torch.nn.Module, vllm_loader: Callable) -> Callable:
     """The ``weight_loader`` of a flashrl-quantized layer's bias: validated, and staged with the
-    weight while the layer waits for weight shards (committed with them), else loaded in place."""
+    weight while the layer waits for weight shards (written with them), else loaded in place."""
     layer_ref = weakref.ref(layer)
 
     def bias_loader(
@@ -230,14 +229,15 @@ def count_direct_tensor() -> None:
     _stats["direct_tensors"] += 1
 
 
-def count_commit(seconds: float) -> None:
-    """Count one group re-quantized from staged tensors (``layers_committed``, ``commit_s``)."""
-    _stats["layers_committed"] += 1
-    _stats["commit_s"] += seconds
+def count_requantized(seconds: float) -> None:
+    """Count one group re-quantized from staged tensors (``layers_requantized``,
+    ``requantize_s``)."""
+    _stats["layers_requantized"] += 1
+    _stats["requantize_s"] += seconds
 
 
 def clear_staging(layer: torch.nn.Module) -> None:
-    """Drop `layer`'s staged tensors (after a commit, or when a full reload supersedes them)."""
+    """Drop `layer`'s staged tensors (once re-quantized, or when a full reload supersedes them)."""
     if getattr(layer, "_flashrl_staging", None) is not None:
         layer._flashrl_staging = None
     _pending.discard(layer)
@@ -272,7 +272,7 @@ def report_pending() -> int:
             missing = [s for s in shard_ids(layer) if s not in staging.arrived]
         logger.warning(
             "%s: incomplete weight update: received shard(s) %s but not %s; the layer keeps its previous "
-            "weights until all of them arrive (send q/k/v and gate/up together every sync)",
+            "weights until all of them arrive (send q/k/v and gate/up together every update)",
             _name(layer, "weight"),
             sorted(map(str, staging.arrived)),
             [str(s) for s in missing],

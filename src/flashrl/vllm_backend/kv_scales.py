@@ -1,14 +1,14 @@
-"""FP8 KV-cache scales for a running ``vllm.LLM``: calibrated with flashrl's code, re-applied after
-every weight push.
+"""FP8 KV-cache scales for a running ``vllm.LLM``: calibrated with flashrl's code, set again after
+every weight update.
 
 vLLM keeps one ``k_scale`` / ``v_scale`` per attention layer (per tensor) and, for a model without
 a KV-cache quantization method (every online-quantized or unquantized model), resets them to 1.0 on
 each reload. A scale of 1.0 clips K/V beyond +-448 and gives values below 2^-6 only subnormal
 precision. `KVScaleSync` therefore sets the scales after the engine starts and after every
-`WeightSync.push`:
+`WeightUpdater.update_weights`:
 
 - ``kv_scale="calibrated"``: `flashrl.model.kv_calibration.calibrate_from_weights` runs flashrl's
-  decoder one layer at a time over the pushed tensors (on their device, in the engine's dtype and
+  decoder one layer at a time over the new tensors (on their device, in the engine's dtype and
   weight scheme) and a calibration set: the most recent rollouts (`remember`, fed by
   `VLLMBackend.generate`), else seeded random token ids. Same rule as the built-in engine: K amax
   is the RoPE-pair norm, ``scale = amax * 2 / 448``; Q gets a scale too (used by the CUDA backends
@@ -19,7 +19,7 @@ precision. `KVScaleSync` therefore sets the scales after the engine starts and a
 The scales reach the workers through ``collective_rpc("flashrl_set_kv_scales", ...)``, which fills
 ``_k_scale`` / ``_v_scale`` / ``_q_scale`` in place and their host copies (``_k_scale_float``,
 ``_k_scale_cpu``, ...). At start-up the scales come from the checkpoint on disk (unless
-``load_format="dummy"``, whose random weights make any scale meaningless until the first push).
+``load_format="dummy"``, whose random weights make any scale meaningless until the first update).
 """
 
 from __future__ import annotations
@@ -118,16 +118,16 @@ class KVScaleSync:
         """Add recent token sequences (prompt + response, most important first) to the calibration set."""
         self.state.remember(sequences)
 
-    def check_push(self, names: Sequence[str]) -> None:
-        """Raise before anything is sent when a push lacks tensors the calibration needs."""
+    def check_update(self, names: Sequence[str]) -> None:
+        """Raise before anything is sent when an update lacks tensors the calibration needs."""
         if not self.calibrated:
             return
         missing = sorted(set(calibration_tensor_names(self.config)) - set(names))
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise WeightError(
-                f"this push lacks {', '.join(missing[:5])}{more}: calibrated fp8 KV scales are computed from the pushed "
-                "weights (vLLM resets them on every reload), so push every decoder parameter and the embedding, "
+                f"this update lacks {', '.join(missing[:5])}{more}: calibrated fp8 KV scales are computed from the new "
+                "weights (vLLM resets them on every reload), so send every decoder parameter and the embedding, "
                 "or use a fixed kv_scale"
             )
 
@@ -137,7 +137,7 @@ class KVScaleSync:
             return 0.0
         if self.calibrated and self.load_format == "dummy":
             logger.info(
-                "load_format='dummy': fp8 KV scales stay at 1.0 until the first WeightSync.push"
+                "load_format='dummy': fp8 KV scales stay at 1.0 until the first WeightUpdater.update_weights"
             )
             return 0.0
         return self.apply(checkpoint_getter(self.model_dir) if self.calibrated else None)

@@ -4,7 +4,7 @@ vLLM hands the expert ``weight_loader`` one expert at a time (``shard_id`` ``w1`
 ``w2`` down; ``expert_id`` global), for per-expert checkpoint names and for the fused 3-D names of a
 `transformers` model alike. `make_expert_loader` validates every tensor (a fused tensor whole,
 before any expert changes), passes it to vLLM's loader while the layer holds checkpoint-format
-tensors, and once the layer is quantized stages it per expert and calls ``method.commit`` when an
+tensors, and once the layer is quantized stages it per expert and calls ``method.requantize_expert`` when an
 expert's w13 (gate + up) or w2 is complete. `ExpertStaging` is what `direct_load.report_pending`
 reports for a layer still waiting (``expert 5 w3`` missing).
 """
@@ -70,7 +70,7 @@ def make_expert_loader(layer: torch.nn.Module, vllm_loader: Callable, method: An
     """The ``weight_loader`` of a flashrl-quantized MoE layer's ``w13_weight`` / ``w2_weight``:
     validates every tensor; passes it to vLLM's loader while the layer holds checkpoint-format
     tensors; once the layer is quantized, stages it per expert and re-quantizes that expert's part
-    in place with ``method.commit(layer, part, expert, weight)`` when its shards are complete."""
+    in place with ``method.requantize_expert(layer, part, expert, weight)`` when its shards are complete."""
     layer_ref = weakref.ref(layer)
 
     def weight_loader(
@@ -106,7 +106,7 @@ def stage(
     layer: torch.nn.Module, vllm_loader: Callable, method: Any, args: tuple, local: int
 ) -> None:
     """Load one expert tensor (`args`: vLLM's loader arguments after ``param``) into the layer's
-    staging buffer for (part, `local` expert) and commit the part once all its shards arrived."""
+    staging buffer for (part, `local` expert) and re-quantize the part once all its shards arrived."""
     shard_id = args[2]
     part = "w2" if shard_id == "w2" else "w13"
     staging = getattr(layer, "_flashrl_staging", None)
@@ -126,8 +126,8 @@ def stage(
     direct_load.count_direct_tensor()
     if staging.shards[key] >= set(PARTS[part]):
         start = time.perf_counter()
-        method.commit(layer, part, local, staging.buffers.pop(key))
+        method.requantize_expert(layer, part, local, staging.buffers.pop(key))
         del staging.shards[key]
-        direct_load.count_commit(time.perf_counter() - start)
+        direct_load.count_requantized(time.perf_counter() - start)
         if not staging.buffers:
             direct_load.clear_staging(layer)

@@ -10,11 +10,11 @@ expert e's codes and scales (``w13_weight`` [E, 2I, H], ``w13_weight_scale``, fo
 ``QuantLinear.from_linear(expert_e, scheme, shard_sizes=(I, I))``: gate and up are two shards, as
 for a dense ``gate_up_proj``.
 
-Loads: vLLM's layerwise reload (``reload_weights``, weight transfer, `WeightSync`) re-runs
+Loads: vLLM's layerwise reload (``reload_weights``, weight transfer, `WeightUpdater`) re-runs
 `process_weights_after_loading` and copies the result into the original storages; experts a
 partial reload did not (fully) send keep their codes (`partial_reload`). A trainer's own
 ``model.load_weights`` reaches the expert weight loader of `moe_loading`, which validates, stages
-per expert and calls `commit` when an expert's w13 (gate + up) or w2 is complete.
+per expert and calls `requantize_expert` when an expert's w13 (gate + up) or w2 is complete.
 
 Forward (`apply`): on CUDA, for int8, fp8_channel and fp8_block (hidden and intermediate sizes
 multiples of 128), vLLM's Triton ``fused_experts`` with the matching quant config (unmeasured on
@@ -46,13 +46,13 @@ from flashrl.vllm_backend.moe_loading import PARTS, make_expert_loader
 
 logger = logging.getLogger(__name__)
 
-_expert_stats = {"requant_s": 0.0, "layers_requantized": 0}
+_expert_stats = {"requantize_s": 0.0, "layers_requantized": 0}
 
 
 def pop_expert_stats() -> dict[str, float]:
     """Seconds quantizing experts and MoE layers (re)quantized since the last call; resets both."""
     stats = dict(_expert_stats)
-    _expert_stats.update(requant_s=0.0, layers_requantized=0)
+    _expert_stats.update(requantize_s=0.0, layers_requantized=0)
     return stats
 
 
@@ -173,7 +173,7 @@ class FlashRLFusedMoEMethod(OnlineMoEMethodBase):
         self.record(layer, start)
 
     def partial_reload(self, layer: torch.nn.Module) -> tuple[dict[str, Any], set[tuple[str, int]]]:
-        """In a layerwise reload (`WeightSync.push`, ``reload_weights``) that did not send every
+        """In a layerwise reload (`WeightUpdater.update_weights`, ``reload_weights``) that did not send every
         expert of the layer: its previous tensors and the (part, local expert) pairs whose shards
         all arrived; the other experts' bf16 weights are uninitialized memory and keep their old
         codes, as with a direct load. ``({}, set())`` otherwise."""
@@ -199,12 +199,14 @@ class FlashRLFusedMoEMethod(OnlineMoEMethodBase):
         if layer.w13_weight.device.type == "cuda":
             torch.cuda.synchronize(layer.w13_weight.device)
         seconds = time.perf_counter() - start
-        _expert_stats["requant_s"] += seconds
+        _expert_stats["requantize_s"] += seconds
         _expert_stats["layers_requantized"] += 1
         direct_load.note_quantized(self.scheme.name, seconds)
 
     @torch.no_grad()
-    def commit(self, layer: torch.nn.Module, part: str, expert: int, weight: torch.Tensor) -> None:
+    def requantize_expert(
+        self, layer: torch.nn.Module, part: str, expert: int, weight: torch.Tensor
+    ) -> None:
         """Re-quantize one expert's complete staged `part` into the existing storages."""
         start, row = time.perf_counter(), getattr(layer, f"{part}_row_scale", None)
         codes, scale = getattr(layer, f"{part}_weight"), getattr(layer, f"{part}_weight_scale")

@@ -18,6 +18,6 @@ TRANSFER_BACKEND = "flashrl"
 """The weight-transfer backend registered with vLLM (``weight_transfer_config={"backend": "flashrl"}``)."""
 
 WORKER_EXTENSION = "flashrl.vllm_backend.transfer.FlashRLWorkerExtension"
-"""``LLM(worker_extension_cls=...)``: adds the ``flashrl_*`` worker methods `WeightSync` calls."""
+"""``LLM(worker_extension_cls=...)``: adds the ``flashrl_*`` worker methods `WeightUpdater` calls."""
 
 TESTED_VLLM_VERSIONS = ("0.32.0",)

@@ -65,13 +65,13 @@ marker so the next reload quantizes again; a direct ``load_weights`` sees it set
 # requantization statistics (per process; read by the worker extension after a weight update)
 # ------------------------------------------------------------------------------------------------
 
-_requant_stats = {"requant_s": 0.0, "layers_requantized": 0}
+_requantize_stats = {"requantize_s": 0.0, "layers_requantized": 0}
 
 
-def pop_requant_stats() -> dict[str, float]:
+def pop_requantize_stats() -> dict[str, float]:
     """Seconds spent quantizing and the number of layers quantized since the last call; resets both."""
-    stats = dict(_requant_stats)
-    _requant_stats.update(requant_s=0.0, layers_requantized=0)
+    stats = dict(_requantize_stats)
+    _requantize_stats.update(requantize_s=0.0, layers_requantized=0)
     for key, value in pop_expert_stats().items():  # MoE layers count as layers
         stats[key] += value
     return stats
@@ -196,12 +196,12 @@ class FlashRLLinearMethod(LinearMethodBase):
         self._record_quantization(weight.device, start)
 
     def _record_quantization(self, device: torch.device, start: float) -> None:
-        """Count one layer quantization that began at `start` (per-sync stats and the log line)."""
+        """Count one layer quantization that began at `start` (per-update stats and the log line)."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
-        _requant_stats["requant_s"] += seconds
-        _requant_stats["layers_requantized"] += 1
+        _requantize_stats["requantize_s"] += seconds
+        _requantize_stats["layers_requantized"] += 1
         direct_load.note_quantized(self.scheme.name, seconds)
 
     def _bind_kernel(self, layer: torch.nn.Module) -> None:

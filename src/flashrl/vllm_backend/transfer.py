@@ -12,7 +12,7 @@ on every device with no rendezvous:
 
 Each chunk goes through ``model.load_weights`` inside vLLM's layerwise reload, so every layer is
 re-quantized (`FlashRLLinearMethod.process_weights_after_loading`) as soon as its tensors are
-complete. `WeightSync` (trainer side) drives it; the backend is registered by
+complete. `WeightUpdater` (trainer side) drives it; the backend is registered by
 `flashrl.vllm_backend.plugin.register` under the name ``flashrl``.
 """
 
@@ -137,7 +137,7 @@ class FlashRLWorkerExtension:
     """
 
     def flashrl_worker_info(self) -> dict[str, Any]:
-        """Process id, device and weight-transfer backend of this worker (WeightSync picks its
+        """Process id, device and weight-transfer backend of this worker (WeightUpdater picks its
         transport from the pid: same process as the trainer means tensors can be passed directly)."""
         engine = getattr(self, "weight_transfer_engine", None)
         return {
@@ -166,7 +166,7 @@ class FlashRLWorkerExtension:
     ) -> int:
         """Set the FP8 KV-cache scales of every attention layer (one value per decoder layer, or one
         for all), in place; returns how many layers were set. vLLM resets hand-set scales to 1.0 on
-        every reload, so `WeightSync` calls this after each push."""
+        every reload, so `WeightUpdater` calls this after each update."""
         from flashrl.vllm_backend.kv_scales import set_attention_kv_scales
 
         return set_attention_kv_scales(self.model_runner.get_model(), k_scales, v_scales, q_scales)
@@ -207,8 +207,8 @@ class FlashRLWorkerExtension:
             if hasattr(module, "flashrl_kernel_id")
         }
 
-    def flashrl_pop_requant_stats(self) -> dict[str, float]:
+    def flashrl_pop_requantize_stats(self) -> dict[str, float]:
         """Seconds spent re-quantizing and layers re-quantized since the last call (then reset)."""
-        from flashrl.vllm_backend.quant_methods import pop_requant_stats
+        from flashrl.vllm_backend.quant_methods import pop_requantize_stats
 
-        return pop_requant_stats()
+        return pop_requantize_stats()

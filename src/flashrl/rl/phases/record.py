@@ -3,8 +3,8 @@ and its lines of samples.jsonl (`flashrl.rl.samples`).
 
 Metric keys, in the order they are written: ``step``, ``rollout/staleness`` (async rollouts),
 ``reward/*``, ``response/*``, ``batch/kept_frac``; then the update's ``rollout_corr/*`` and
-``actor/*`` and the sync's ``sync/*``, or ``skipped_update`` when no group was informative; then
-``time/*`` (seconds per phase), ``throughput/rollout_tokens_per_s`` and ``memory/peak_gib``.
+``actor/*`` and the weight update's ``weight_update/*``, or ``skipped_update`` when no group was informative; then
+``time/*_s`` (seconds per phase), ``throughput/rollout_tokens_per_s`` and ``memory/peak_gib``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from flashrl.core.rollout import Rollout
 from flashrl.rl.config import TrainConfig
 from flashrl.rl.phases.generate import Generated
 from flashrl.rl.phases.score import Scored
-from flashrl.rl.phases.sync import Synced
+from flashrl.rl.phases.weight_update import WeightUpdate
 from flashrl.rl.phases.update import Updated
 from flashrl.rl.samples import collect, record_samples
 
@@ -33,8 +33,8 @@ class StepResult:
     generated: Generated
     scored: Scored
     updated: Updated | None
-    """None when the update was skipped (no informative group); then `synced` is None too."""
-    synced: Synced | None
+    """None when the update was skipped (no informative group); then `weight_update` is None too."""
+    weight_update: WeightUpdate | None
     seconds: float
     """The whole step until the record phase."""
 
@@ -55,16 +55,16 @@ def step_metrics(result: StepResult, config: TrainConfig, device: torch.device) 
     if config.rollout.workers.async_rollouts:
         metrics["rollout/staleness"] = float(g.stale)
     metrics.update(rollout_metrics(g.rollouts, s.scores, s.rewards, s.penalty, s.keep))
-    times = {"rollout": g.seconds, "reward": s.seconds}
+    times = {"rollout_s": g.seconds, "reward_s": s.seconds}
     if result.updated is None:
         metrics["skipped_update"] = 1.0
     else:
         metrics.update(result.updated.metrics)
         times.update(result.updated.times)
-    if result.synced is not None:
-        metrics.update(result.synced.metrics)
-        times.update(result.synced.times)
-    times["step"] = result.seconds
+    if result.weight_update is not None:
+        metrics.update(result.weight_update.metrics)
+        times.update(result.weight_update.times)
+    times["step_s"] = result.seconds
     metrics.update({f"time/{k}": v for k, v in times.items()})
     tokens = sum(len(r.response_ids) for r in g.rollouts)
     metrics["throughput/rollout_tokens_per_s"] = tokens / max(g.seconds, 1e-9)

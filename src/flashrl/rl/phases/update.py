@@ -76,7 +76,7 @@ class Learner:
         with torch.no_grad():
             old, entropy = self.logprobs(self.policy, batch, with_entropy=True)
             ref = self.logprobs(self.reference, batch)[0] if self.reference is not None else None
-        times = {"logprobs": time.perf_counter() - start}
+        times = {"logprobs_s": time.perf_counter() - start}
         c = self.config.correction
         corr = compute_correction(old, batch.rollout_logprobs, batch.response_mask, c)
         ratio_base = old if c.mode == "decoupled" else batch.rollout_logprobs
@@ -103,7 +103,7 @@ class Learner:
             lr,
         )
         synchronize(self.device)
-        times["train"] = time.perf_counter() - start
+        times["train_s"] = time.perf_counter() - start
         metrics.update({f"actor/{k}": v for k, v in actor.items()})
         metrics["actor/lr"] = lr
         return Updated(metrics, dict(zip(kept, means.tolist())), times)

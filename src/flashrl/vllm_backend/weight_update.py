@@ -1,26 +1,26 @@
-"""`WeightSync`: push a trainer's parameters into a running ``vllm.LLM`` after every optimizer step.
+"""`WeightUpdater`: update a running ``vllm.LLM`` with a trainer's parameters after every optimizer step.
 
-One `push` is one vLLM weight update (``start_weight_update`` -> one ``update_weights`` chunk per
+One `update_weights` is one vLLM weight update (``start_weight_update`` -> one ``update_weights`` chunk per
 decoder layer -> ``finish_weight_update``) through the ``flashrl`` transfer backend, followed by
 ``reset_prefix_cache``. Inside vLLM each layer is re-quantized with fresh scales as soon as its
 tensors arrive (layerwise reload), and the results are copied into the existing storages.
 
-Rules the push enforces, because vLLM's layerwise reload cannot recover from them:
+Rules the update enforces, because vLLM's layerwise reload cannot recover from them:
 
 - tensors are sent in checkpoint (Hugging Face) names, one chunk per decoder layer
   (`vllm.distributed.weight_transfer.base.layerwise_groups`), so a layer never waits in a buffer;
 - tensors vLLM fuses into one layer (q/k/v -> qkv_proj, gate/up -> gate_up_proj, weights and
   biases alike) are sent together: a layer that received only some of them would be quantized
-  with uninitialized memory in the missing rows, so a push that lacks a sibling is refused
+  with uninitialized memory in the missing rows, so an update that lacks a sibling is refused
   before anything is sent.
 
 Transport: when the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the tensors
 themselves are handed over; otherwise each chunk is written to a safetensors file in /dev/shm
 (or the temp dir) and its path is sent.
 
-FP8 KV cache: vLLM resets KV scales to 1.0 on every reload, so with an fp8 cache each push ends by
-setting them again (`flashrl.vllm_backend.kv_scales`): calibrated from the pushed weights on the
-recent rollouts (`remember_kv`), or a fixed value. A calibrated push must carry every decoder
+FP8 KV cache: vLLM resets KV scales to 1.0 on every reload, so with an fp8 cache each update ends by
+setting them again (`flashrl.vllm_backend.kv_scales`): calibrated from the new weights on the
+recent rollouts (`remember_kv`), or a fixed value. A calibrated update must carry every decoder
 parameter and the embedding (checked before anything is sent).
 """
 
@@ -78,21 +78,21 @@ def group_by_layer(items: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str
 
     by_name = dict(items)
     if len(by_name) != len(items):
-        raise WeightError("duplicate parameter names in the weights to push")
+        raise WeightError("duplicate parameter names in the weights of the update")
     return [
         [(name, by_name[name]) for name in group]
         for group in layerwise_groups([n for n, _ in items])
     ]
 
 
-class WeightSync:
-    """Pushes new weights into an ``LLM`` built with `engine_kwargs` (or the equivalent settings).
+class WeightUpdater:
+    """Updates the weights of an ``LLM`` built with `engine_kwargs` (or the equivalent settings).
 
     `transport`: ``auto`` (tensors for an in-process engine, files otherwise), ``tensors`` or
     ``file``. `tmp_dir`: where chunk files go (default /dev/shm when it exists). `kv_scale`
     (``calibrated`` or a float) overrides the KV-scale mode `engine_kwargs` recorded for an fp8 KV
     cache; with an fp8 cache the scales are set at construction (from the checkpoint on disk) and
-    after every push.
+    after every update.
     """
 
     def __init__(
@@ -110,7 +110,7 @@ class WeightSync:
         backend = getattr(llm.llm_engine.vllm_config.weight_transfer_config, "backend", None)
         if backend != TRANSFER_BACKEND:
             raise ConfigError(
-                f"this LLM was built with weight_transfer_config backend {backend!r}; WeightSync needs "
+                f"this LLM was built with weight_transfer_config backend {backend!r}; WeightUpdater needs "
                 f"{TRANSFER_BACKEND!r}: build it with LLM(model, **flashrl.vllm_backend.engine_kwargs(...))"
             )
         try:
@@ -141,11 +141,11 @@ class WeightSync:
 
     def calibrate_kv(self, sequences: Iterable[Iterable[int]]) -> float:
         """Recalibrate the fp8 KV scales of the engine's start-up weights (the checkpoint on disk) on
-        `sequences`, e.g. the first real prompts; before the first push only. Returns seconds."""
+        `sequences`, e.g. the first real prompts; before the first update only. Returns seconds."""
         if self.version > 0:
             raise ConfigError(
-                "calibrate_kv reads the checkpoint on disk, which the engine no longer holds after a push; "
-                "the next push recalibrates on remember_kv's sequences"
+                "calibrate_kv reads the checkpoint on disk, which the engine no longer holds after an "
+                "update; the next update recalibrates on remember_kv's sequences"
             )
         if not self.kv.calibrated:
             raise ConfigError("calibrate_kv needs an fp8 KV cache with kv_scale='calibrated'")
@@ -158,7 +158,7 @@ class WeightSync:
     def _checked_items(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> list[tuple[str, torch.Tensor]]:
-        """The pairs as full tensors, every one checked before anything is sent (a refused push
+        """The pairs as full tensors, every one checked before anything is sent (a refused update
         leaves the engine as it was): finite floats, complete fused groups, what the KV
         calibration needs."""
         from vllm.distributed.weight_transfer.base import materialize_full_tensor
@@ -167,11 +167,11 @@ class WeightSync:
 
         items = [(name, materialize_full_tensor(t).detach()) for name, t in named_tensors]
         if not items:
-            raise WeightError("nothing to push: no (name, tensor) pairs")
+            raise WeightError("nothing to update: no (name, tensor) pairs")
         for name, tensor in items:
             check_incoming(tensor, name)
         check_fused_complete(name for name, _ in items)
-        self.kv.check_push([name for name, _ in items])
+        self.kv.check_update([name for name, _ in items])
         return items
 
     def _send(self, chunks: list[list[tuple[str, torch.Tensor]]]) -> None:
@@ -179,7 +179,7 @@ class WeightSync:
         flashrl weight-transfer backend; the caller finishes the update."""
         self.llm.start_weight_update()
         chunk_dir = (
-            tempfile.mkdtemp(prefix="flashrl-sync-", dir=self.tmp_dir)
+            tempfile.mkdtemp(prefix="flashrl-update-", dir=self.tmp_dir)
             if self.transport == "file"
             else None
         )
@@ -191,25 +191,27 @@ class WeightSync:
                 shutil.rmtree(chunk_dir, ignore_errors=True)
 
     @torch.no_grad()
-    def push(
+    def update_weights(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         weight_version: str | None = None,
         kv_sequences: Iterable[Iterable[int]] | None = None,
     ) -> dict[str, float]:
-        """Load `named_tensors` (checkpoint names, e.g. a trainer's ``named_parameters()``) into the
-        engine, re-quantizing every layer, set the fp8 KV scales again, then reset the prefix cache.
+        """Update the engine with `named_tensors` (checkpoint names, e.g. a trainer's
+        ``named_parameters()``), re-quantizing every layer, set the fp8 KV scales again, then reset
+        the prefix cache.
 
         Returns seconds: ``transfer_s`` (sending and loading, re-quantization excluded),
-        ``requant_s`` (quantizing, summed over layers; max over workers), ``kv_calibration_s``
-        (computing and setting fp8 KV scales; 0.0 without an fp8 cache), ``reset_cache_s`` and
-        ``total_s``; plus ``bytes``, ``tensors``, ``chunks`` and ``layers_requantized``.
-        `kv_sequences` (token ids) replace the remembered calibration set for this push.
-        A failure after the update started leaves the engine's weights undefined: push again.
+        ``requantize_s`` (summed over layers; max over workers), ``kv_calibration_s`` (computing
+        and setting fp8 KV scales; 0.0 without an fp8 cache), ``reset_cache_s`` and
+        ``weight_update_s`` (in all); plus ``sent_bytes``, ``tensors``, ``chunks`` and
+        ``layers_requantized``. `kv_sequences` (token ids) replace the remembered calibration set
+        for this update. A failure after the update started leaves the engine's weights
+        undefined: update again.
         """
         items = self._checked_items(named_tensors)
         chunks = group_by_layer(items)
-        self.llm.collective_rpc("flashrl_pop_requant_stats")  # zero the counters
+        self.llm.collective_rpc("flashrl_pop_requantize_stats")  # zero the counters
         start = time.perf_counter()
         self._send(chunks)
         self.version += 1
@@ -220,15 +222,15 @@ class WeightSync:
         calibrated = time.perf_counter()
         self.llm.reset_prefix_cache()
         done = time.perf_counter()
-        requant = self.llm.collective_rpc("flashrl_pop_requant_stats")
-        requant_s = max(r["requant_s"] for r in requant)
+        requant = self.llm.collective_rpc("flashrl_pop_requantize_stats")
+        requant_s = max(r["requantize_s"] for r in requant)
         return {
             "transfer_s": loaded - start - requant_s,
-            "requant_s": requant_s,
+            "requantize_s": requant_s,
             "kv_calibration_s": kv_calibration,
             "reset_cache_s": done - calibrated,
-            "total_s": done - start,
-            "bytes": float(sum(t.numel() * t.element_size() for _, t in items)),
+            "weight_update_s": done - start,
+            "sent_bytes": float(sum(t.numel() * t.element_size() for _, t in items)),
             "tensors": float(len(items)),
             "chunks": float(len(chunks)),
             "layers_requantized": float(max(r["layers_requantized"] for r in requant)),
