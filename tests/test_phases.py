@@ -18,8 +18,8 @@ from flashrl.rl.config_build import build_config
 from flashrl.rl.data import Example
 from flashrl.rl.phases.generate import Generator
 from flashrl.rl.phases.score import score
-from flashrl.rl.phases.weight_update import update_rollout_weights
 from flashrl.rl.phases.update import Learner
+from flashrl.rl.phases.weight_update import update_rollout_weights
 from flashrl.rl.trainer import Trainer
 from flashrl.testing import save_tiny_model
 from shorthand import dotted
@@ -198,9 +198,7 @@ def scripted_trainer(policy_dir, tmp_path, monkeypatch, texts) -> tuple[Trainer,
     return Trainer(build_config("tiny-cpu", None, dotted(values)), backend=backend), backend
 
 
-def test_a_step_without_an_informative_group_skips_the_updates(
-    policy_dir, tmp_path, monkeypatch
-):
+def test_a_step_without_an_informative_group_skips_the_updates(policy_dir, tmp_path, monkeypatch):
     trainer, backend = scripted_trainer(policy_dir, tmp_path, monkeypatch, lambda i, j: "x")
     before = [p.detach().clone() for p in trainer.policy.parameters()]
     metrics = trainer.train_step()

@@ -59,8 +59,8 @@ from flashrl.rl.durable import append_line
 from flashrl.rl.phases.generate import Generator
 from flashrl.rl.phases.record import StepResult, record
 from flashrl.rl.phases.score import score
-from flashrl.rl.phases.weight_update import update_rollout_weights
 from flashrl.rl.phases.update import Learner
+from flashrl.rl.phases.weight_update import update_rollout_weights
 from flashrl.rl.plan import plan_run
 from flashrl.rl.rewards import get_reward
 from flashrl.rl.routing_replay import replay_backend

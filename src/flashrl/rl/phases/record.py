@@ -20,8 +20,8 @@ from flashrl.core.rollout import Rollout
 from flashrl.rl.config import TrainConfig
 from flashrl.rl.phases.generate import Generated
 from flashrl.rl.phases.score import Scored
-from flashrl.rl.phases.weight_update import WeightUpdate
 from flashrl.rl.phases.update import Updated
+from flashrl.rl.phases.weight_update import WeightUpdate
 from flashrl.rl.samples import collect, record_samples
 
 
