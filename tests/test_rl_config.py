@@ -404,3 +404,22 @@ def test_every_subcommand_takes_its_flags_from_dataclasses():
     train = parser._subparsers._group_actions[0].choices["train"]
     dests = {a.dest for a in train._actions}
     assert set(field_names()) <= dests
+
+
+@pytest.mark.parametrize(
+    ("values", "warned"),
+    [
+        ({"rollout.quant": "bf16"}, True),  # bf16 rollouts, fp32 trainer, nearest: the lag
+        ({"rollout.quant": "bf16", "rollout.sync_rounding": "stochastic"}, False),
+        ({"rollout.quant": "bf16", "rollout.dtype": "fp32"}, False),
+        ({"rollout.quant": "bf16", "run.trainer_dtype": "bf16"}, False),
+        ({"rollout.quant": "int8"}, False),
+    ],
+)
+def test_the_bf16_lag_is_warned_exactly_where_it_applies(values, warned):
+    from flashrl.rl.config_checks import rounding_lag_warning
+
+    message = rounding_lag_warning(TrainConfig().replace(values))
+    assert (message is not None) == warned
+    if warned:
+        assert "--rollout.sync-rounding stochastic" in message and "rollout.dtype fp32" in message

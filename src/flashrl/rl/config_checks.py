@@ -76,3 +76,24 @@ def _check_workers(config: Any) -> None:
         raise ConfigError(
             f"algo.routing_replay needs the built-in engine in the trainer's process {where}; {got}"
         )
+
+
+def rounding_lag_warning(config: Any) -> str | None:
+    """A warning when the run is exposed to the bf16 lag: unquantized 16-bit rollout weights, an
+    fp32 trainer and nearest rounding at each weight update. Adam steps below half a bf16 step
+    round back to the old value, so the rollout policy stays near the checkpoint while the trainer
+    moves (SmolLM2-135M, lr 1e-5: mismatch KL 0.002 -> 0.06 in 10 steps and no reward gain;
+    docs/real-model.md). None when the run is not exposed."""
+    r = config.rollout
+    exposed = r.quant == "bf16" and r.dtype in ("bf16", "fp16") and r.sync_rounding == "nearest"
+    if not exposed or config.run.trainer_dtype != "fp32":
+        return None
+    fix = (
+        "--rollout.sync-rounding stochastic (built-in engine) or " if r.backend == "builtin" else ""
+    )
+    return (
+        f"rollout.quant=bf16 with rollout.dtype={r.dtype} and an fp32 trainer: each weight update "
+        f"rounds the trainer's weights to {r.dtype} to nearest, which erases updates below half a "
+        f"{r.dtype} step, so the rollout policy can lag the trainer (docs/real-model.md); "
+        f"{fix}--rollout.dtype fp32 keeps it following"
+    )

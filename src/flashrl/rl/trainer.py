@@ -54,6 +54,7 @@ from flashrl.rl import checkpoint as ckpt
 from flashrl.rl.checkpoint import read_metrics  # noqa: F401 (public here too)
 from flashrl.rl.compare import rollout_name
 from flashrl.rl.config import TrainConfig
+from flashrl.rl.config_checks import rounding_lag_warning
 from flashrl.rl.data import prompt_source
 from flashrl.rl.durable import append_line
 from flashrl.rl.phases.generate import Generator
@@ -78,6 +79,9 @@ class Trainer:
         # the rollout scheme comes from config.rollout, but a bad FLASHRL_* value is an error here
         # as in every other command
         from_env()
+        lag = rounding_lag_warning(config)
+        if lag:
+            logger.warning(lag)
         self.device = resolve_device(config.run.device)
         self.model_dir = self._model_dir()
         tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
