@@ -47,6 +47,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -324,7 +325,7 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
         if path not in FLOORS:
             llm.reset_prefix_cache()
         seconds = time.perf_counter() - start
-        extra["checks"] = checks[0]
+        scans = checks[0]
         stats, requant = direct_load.load_stats(reset=True), quant_methods.pop_requant_stats()
         if path in ("trl", "verl"):
             extra = {
@@ -334,7 +335,7 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
             }
         elif path == "reload":
             extra = {"requant_s": requant["requant_s"], "layers": requant["layers_requantized"]}
-        return {"s": seconds, **extra}
+        return {"s": seconds, **extra, "checks": scans}
 
     paths = [*args.sync_paths, *FLOORS]
     runs: dict[str, list[dict[str, float]]] = {p: [] for p in paths}
@@ -542,6 +543,12 @@ def main() -> None:
         "--sync-dtype", default="bf16", choices=("bf16", "fp32"), help="dtype of the pushed tensors"
     )
     parser.add_argument(
+        "--force-onednn-int8",
+        action="store_true",
+        help="flashrl_int8 runs vLLM's oneDNN int8 kernel whatever its probe says (on CPUs without "
+        "VNNI it saturates and is not exact int8; for timing its handle refresh)",
+    )
+    parser.add_argument(
         "--profile-steps", type=int, default=0, help="torch.profiler over this many decode steps"
     )
     parser.add_argument(
@@ -571,6 +578,10 @@ def main() -> None:
         raise SystemExit(
             "this benchmark needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (engines in this process)"
         )
+    if args.force_onednn_int8:
+        from flashrl.vllm_backend import kernels
+
+        kernels.PROBE_TOLERANCE_INT8 = float("inf")
     root = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
@@ -585,6 +596,10 @@ def main() -> None:
         for row in engines.values():
             print(f"{row.name}: engine ready in {row.startup_s:.0f} s", flush=True)
         info = machine()
+        if "flashrl_int8" in engines:
+            gemms = engines["flashrl_int8"].llm.collective_rpc("flashrl_linear_kernels")[0]
+            info["flashrl_int8_gemms"] = dict(Counter(gemms.values()))
+            print(f"flashrl_int8 GEMMs: {info['flashrl_int8_gemms']}", flush=True)
         results = throughput([engines[n] for n in args.rows], args) if args.rows else []
         columns = [
             "row",
