@@ -251,7 +251,12 @@ def make_checked_loader(
     layer: torch.nn.Module, vllm_loader: Callable, on_loaded: Callable[[], None] | None = None
 ) -> Callable:
     """A ``weight_loader`` for layers flashrl keeps in high precision (embeddings, LM head, skipped
-    linears): validates the tensor, runs vLLM's loader, then calls `on_loaded` (real loads only)."""
+    linears): validates the tensor, runs vLLM's loader, then calls `on_loaded` (real loads only).
+
+    In vLLM's layerwise reload the loader writes into the weight the layer keeps rather than into
+    the new stand-in vLLM materialized for it (`kept_weight`): vLLM would copy the stand-in into
+    the kept weight afterwards, so for a 151936 x 896 embedding this saves a 272 MB copy and the
+    page faults of first touching the stand-in (the two took 0.4 s of a 0.5 s sync at 0.5B dims)."""
     layer_ref = weakref.ref(layer)
 
     def checked_loader(
@@ -260,12 +265,32 @@ def make_checked_loader(
         owner = layer_ref()
         assert owner is not None, "weight loader of a freed layer"
         _check_loaded(param, loaded_weight, _name(owner, "weight", loaded_shard_id))
+        kept = kept_weight(owner, param)
+        if kept is not None:  # vLLM's copy-back is then a copy onto itself, which torch skips
+            owner.weight = param = kept
         result = _call_loader(vllm_loader, param, loaded_weight, loaded_shard_id)
         if on_loaded is not None and not param.is_meta:
             on_loaded()
         return result
 
     return checked_loader
+
+
+def kept_weight(layer: torch.nn.Module, param: torch.Tensor) -> torch.nn.Parameter | None:
+    """In vLLM's layerwise reload, the ``weight`` `layer` keeps (its storage survives the reload:
+    `LayerReloadingInfo.kernel_tensors`) when `param` is the stand-in vLLM materialized for it
+    and both match in shape, dtype and device; None otherwise (first load, direct load, dry run)."""
+    if param.is_meta or getattr(layer, "weight", None) is not param:
+        return None
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    info = LAYERWISE_INFO.get(layer)
+    kept = info.kernel_tensors[0].get("weight") if info and info.kernel_tensors else None
+    if not isinstance(kept, torch.nn.Parameter) or kept is param:
+        return None
+    if (kept.shape, kept.dtype, kept.device) != (param.shape, param.dtype, param.device):
+        return None
+    return kept
 
 
 def mark_pending(layer: torch.nn.Module) -> None:
