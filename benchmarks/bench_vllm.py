@@ -21,9 +21,14 @@ Sync rows (``--sync``), on the flashrl_int8 engine, with the checkpoint's own st
 embedding sent once, as a trainer's ``named_parameters()`` gives it): ``trl`` (one
 ``model.load_weights([(name, t)])`` per tensor), ``verl`` (one ``model.load_weights(list)``),
 ``weight_sync`` (`flashrl.vllm_backend.WeightUpdater.update_weights`), ``reload`` (vLLM's
-``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``), against ``copy`` (``copy_``
-of every tensor into a preallocated buffer of the same dtype). Each sync path ends with
-``llm.reset_prefix_cache()`` as trainers do.
+``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``), against two floors: ``copy``
+(``copy_`` of every tensor into a preallocated buffer of the same dtype) and ``copy+quantize``
+(every tensor ``copy_``-ed into a preallocated buffer, the tensors of each flashrl-quantized layer
+into one fused buffer of the layer's shape, then flashrl's quantizer, ``QuantLinear.requantize_``
+with the layer's shard sizes, on each fused buffer into preallocated codes and scales: the work
+every path has to do). Each sync path ends with ``llm.reset_prefix_cache()`` as trainers do; every
+row reports its ratio to both floors, and ``checks``, the full-tensor finiteness checks
+(``direct_load.check_incoming`` calls) one sync made.
 
 Threads: in-process, vLLM-CPU binds no threads (``VLLM_CPU_OMP_THREADS_BIND`` applies to the
 multi-process executor only) and drops torch to 1 thread at start-up unless ``OMP_NUM_THREADS``
@@ -42,6 +47,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -272,6 +278,8 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
     ]
     nbytes = sum(t.numel() * t.element_size() for _, t in state)
     buffers = [torch.empty_like(t) for _, t in state]
+    floor = QuantizeFloor(model, state)
+    checks = count_checks(direct_load)
     sync = WeightUpdater(llm) if "weight_sync" in args.sync_paths else None
     check = vllm.SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, logprobs=0)
     check_prompts = [
@@ -297,10 +305,13 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
         direct_load.load_stats(reset=True)
         quant_methods.pop_requantize_stats()
         extra: dict[str, float] = {}
+        checks[0] = 0
         start = time.perf_counter()
         if path == "copy":
             for buf, (_, t) in zip(buffers, state):
                 buf.copy_(t)
+        elif path == "copy+quantize":
+            floor.run()
         elif path == "trl":
             for name, t in state:
                 model.load_weights([(name, t)])
@@ -311,9 +322,10 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
             extra = {"requant_s": timings["requantize_s"], "layers": timings["layers_requantized"]}
         elif path == "reload":
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state)})
-        if path != "copy":
+        if path not in FLOORS:
             llm.reset_prefix_cache()
         seconds = time.perf_counter() - start
+        scans = checks[0]
         stats, requant = direct_load.load_stats(reset=True), quant_methods.pop_requantize_stats()
         if path in ("trl", "verl"):
             extra = {
@@ -323,9 +335,9 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
             }
         elif path == "reload":
             extra = {"requant_s": requant["requantize_s"], "layers": requant["layers_requantized"]}
-        return {"s": seconds, **extra}
+        return {"s": seconds, **extra, "checks": scans}
 
-    paths = [*args.sync_paths, "copy"]
+    paths = [*args.sync_paths, *FLOORS]
     runs: dict[str, list[dict[str, float]]] = {p: [] for p in paths}
     for repeat in range(args.sync_repeats):
         for path in paths:
@@ -336,6 +348,7 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
     )
     same = tokens() == before
     copy_s = statistics.median(r["s"] for r in runs["copy"])
+    floor_s = statistics.median(r["s"] for r in runs["copy+quantize"])
     results = []
     for path in paths:
         med = {k: statistics.median(r[k] for r in runs[path]) for k in runs[path][0]}
@@ -345,20 +358,89 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
                 "s": med["s"],
                 "GBps": nbytes / med["s"] / 1e9,
                 "vs_copy": med["s"] / copy_s,
+                "vs_copy_quantize": med["s"] / floor_s,
+                "checks": med["checks"],
                 "commit_s": med.get("commit_s"),
                 "requant_s": med.get("requant_s"),
                 "layers": med.get("layers"),
                 "runs_s": [r["s"] for r in runs[path]],
-                "outputs_unchanged": same if path != "copy" else None,
+                "outputs_unchanged": same if path not in FLOORS else None,
                 "profile": profiles.get(path),
             }
         )
     print(
-        f"sync: {len(state)} {args.sync_dtype} tensors, {nbytes / 1e9:.3f} GB; outputs after all syncs of the "
-        f"same weights equal those before: {same}",
+        f"sync: {len(state)} {args.sync_dtype} tensors, {nbytes / 1e9:.3f} GB, {len(floor.layers)} "
+        f"quantized layers; outputs after all syncs of the same weights equal those before: {same}",
         flush=True,
     )
     return results
+
+
+FLOORS = ("copy", "copy+quantize")
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+"""vLLM's fused layers and the checkpoint modules each one is loaded from, in shard order."""
+
+
+class QuantizeFloor:
+    """The ``copy+quantize`` floor: every tensor ``copy_``-ed into a preallocated buffer (the
+    checkpoint tensors of a flashrl-quantized layer into their rows of one fused buffer of the
+    layer's shape), then flashrl's quantizer on each fused buffer into preallocated codes and
+    scales (`QuantLinear.requantize_` with the layer's shard sizes, as the engine quantizes)."""
+
+    def __init__(self, model: Any, state: list[tuple[str, Any]]) -> None:
+        import torch
+
+        from flashrl.quant.linear import QuantLinear
+
+        dtype = state[0][1].dtype
+        rows: dict[str, tuple[Any, int]] = {}  # checkpoint name -> (fused buffer, first row)
+        self.layers: list[tuple[Any, Any]] = []
+        for prefix, module in model.named_modules():
+            if not hasattr(module, "flashrl_kernel_id"):
+                continue
+            parent, _, leaf = prefix.rpartition(".")
+            parts = FUSED.get(leaf, (leaf,))
+            widths = list(module.logical_widths)
+            fused = torch.empty(sum(widths), module.input_size_per_partition, dtype=dtype)
+            scheme = module.quant_method.scheme
+            quant = QuantLinear(
+                fused.shape[1], fused.shape[0], scheme, shard_sizes=widths, dtype=dtype
+            )
+            self.layers.append((quant, fused))
+            first = 0
+            for part, width in zip(parts, widths):
+                rows[f"{parent}.{part}.weight"] = (fused, first)
+                first += width
+        self.copies = []
+        for name, tensor in state:
+            if name in rows:
+                fused, first = rows.pop(name)
+                self.copies.append((fused[first : first + tensor.shape[0]], tensor))
+            else:
+                self.copies.append((torch.empty_like(tensor), tensor))
+        if rows:
+            raise SystemExit(f"copy+quantize floor: no tensor for {sorted(rows)[:3]}")
+
+    def run(self) -> None:
+        for buffer, tensor in self.copies:
+            buffer.copy_(tensor)
+        for quant, fused in self.layers:
+            quant.requantize_(fused)
+
+
+def count_checks(direct_load: Any) -> list[int]:
+    """Count calls of flashrl's full-tensor finiteness check (`direct_load.check_incoming`; every
+    caller looks it up on the module at call time); returns the counter, reset per sync."""
+    counter = [0]
+    check = direct_load.check_incoming
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        counter[0] += kwargs.get("finite", True) is not False  # finite=False: type checks only
+        check(*args, **kwargs)
+
+    direct_load.check_incoming = counted
+    return counter
 
 
 def profile_sync(run: Any, path: str, top: int = 8) -> list[dict[str, Any]]:
@@ -461,6 +543,12 @@ def main() -> None:
         "--sync-dtype", default="bf16", choices=("bf16", "fp32"), help="dtype of the pushed tensors"
     )
     parser.add_argument(
+        "--force-onednn-int8",
+        action="store_true",
+        help="flashrl_int8 runs vLLM's oneDNN int8 kernel whatever its probe says (on CPUs without "
+        "VNNI it saturates and is not exact int8; for timing its handle refresh)",
+    )
+    parser.add_argument(
         "--profile-steps", type=int, default=0, help="torch.profiler over this many decode steps"
     )
     parser.add_argument(
@@ -490,6 +578,10 @@ def main() -> None:
         raise SystemExit(
             "this benchmark needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (engines in this process)"
         )
+    if args.force_onednn_int8:
+        from flashrl.vllm_backend import kernels
+
+        kernels.PROBE_TOLERANCE_INT8 = float("inf")
     root = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
@@ -504,6 +596,10 @@ def main() -> None:
         for row in engines.values():
             print(f"{row.name}: engine ready in {row.startup_s:.0f} s", flush=True)
         info = machine()
+        if "flashrl_int8" in engines:
+            gemms = engines["flashrl_int8"].llm.collective_rpc("flashrl_linear_kernels")[0]
+            info["flashrl_int8_gemms"] = dict(Counter(gemms.values()))
+            print(f"flashrl_int8 GEMMs: {info['flashrl_int8_gemms']}", flush=True)
         results = throughput([engines[n] for n in args.rows], args) if args.rows else []
         columns = [
             "row",
@@ -541,6 +637,8 @@ def main() -> None:
                     "s",
                     "GBps",
                     "vs_copy",
+                    "vs_copy_quantize",
+                    "checks",
                     "commit_s",
                     "requant_s",
                     "layers",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashrl.errors import WeightError
-from flashrl.vllm_backend.direct_load import check_incoming
+from flashrl.vllm_backend.direct_load import check_incoming, needs_check, prechecked
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
@@ -36,3 +36,23 @@ def test_wrong_kinds_of_tensor_are_refused(bad, match):
 def test_finite_tensors_pass():
     check_incoming(torch.randn(4, 4, dtype=torch.bfloat16), "layer.w")
     check_incoming(torch.empty(0), "layer.w")
+
+
+def test_finite_false_checks_the_type_only():
+    tensor = torch.full((3,), float("nan"))
+    check_incoming(tensor, "layer.w", finite=False)  # the quantizer scans it instead
+    with pytest.raises(WeightError, match="weights must be floating point"):
+        check_incoming(torch.ones(3, dtype=torch.int32), "layer.w", finite=False)
+
+
+def test_prechecked_tensors_are_not_scanned_again_and_the_mark_ends_with_the_block():
+    checked, other = torch.randn(4), torch.randn(4)
+    param, meta = torch.empty(4), torch.empty(4, device="meta")
+    assert needs_check(param, checked) and not needs_check(meta, checked)  # no scan in a dry run
+    with prechecked([checked]):
+        assert not needs_check(param, checked)
+        assert needs_check(param, other) and needs_check(param, checked[:2])  # views are scanned
+        with prechecked([other]):
+            assert not needs_check(param, other) and not needs_check(param, checked)
+        assert needs_check(param, other)
+    assert needs_check(param, checked)

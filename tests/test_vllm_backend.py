@@ -215,9 +215,10 @@ def test_reload_equals_fresh_engine(engine, checkpoints):
     scheme, llm, sync = engine["scheme"], engine["llm"], engine["sync"]
     ptrs = {
         name: p.data_ptr()
-        for name, p in model_of(llm).model.layers.named_parameters()
-        if "proj" in name
+        for name, p in model_of(llm).named_parameters()
+        if "proj" in name or "embed_tokens" in name
     }
+    assert "model.embed_tokens.weight" in ptrs
 
     timings = sync.update_weights(checkpoints["perturbed_sd"].items())
     assert timings["chunks"] == 2 + 2  # embeddings, 2 decoder layers, final norm
@@ -234,8 +235,8 @@ def test_reload_equals_fresh_engine(engine, checkpoints):
     assert_same_state(llm, engine["base_fresh"], "the engine's own fresh load")
     assert {
         name: p.data_ptr()
-        for name, p in model_of(llm).model.layers.named_parameters()
-        if "proj" in name
+        for name, p in model_of(llm).named_parameters()
+        if "proj" in name or "embed_tokens" in name
     } == ptrs
 
 

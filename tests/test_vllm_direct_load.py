@@ -248,3 +248,76 @@ def test_incomplete_fused_group_keeps_old_weights_and_is_reported(checkpoints, i
         model.load_weights([(key, checkpoints["base_sd"][key])])
     assert load_stats()["pending_layers"] == 0
     assert_same(snapshot(int8_llm), before, "after completing the groups with the old weights")
+
+
+QUANTIZED_WEIGHTS = tuple(
+    f"{p}.weight"
+    for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+)
+
+
+def count_full_checks(monkeypatch) -> list[int]:
+    """Count `check_incoming` calls that scan a tensor for NaN/Inf (every caller looks it up on the
+    module at call time)."""
+    from flashrl.vllm_backend import direct_load
+
+    counter, check = [0], direct_load.check_incoming
+
+    def counted(tensor, name, finite=True):
+        counter[0] += bool(finite)
+        check(tensor, name, finite)
+
+    monkeypatch.setattr(direct_load, "check_incoming", counted)
+    return counter
+
+
+def test_every_load_path_checks_each_tensor_once(checkpoints, int8_llm, monkeypatch):
+    """At most one finiteness scan per incoming tensor: a direct load scans each tensor of a layer
+    flashrl's methods own on arrival (norms go through vLLM's own loader, unscanned); WeightUpdater
+    scans every tensor before sending and its loaders do not again; vLLM's layerwise reload scans
+    once (not in its element-counting dry run), and a quantized layer's weights not at all: the
+    quantizer's own amax pass refuses NaN/Inf (next test). Exception: biases, which vLLM keeps off
+    the meta device, so its dry run already writes them into the live parameter; they are scanned
+    in both calls (one vector per layer)."""
+    from flashrl.vllm_backend import WeightUpdater
+
+    checks = count_full_checks(monkeypatch)
+    model = model_of(int8_llm)
+    perturbed, base = checkpoints["perturbed_sd"], checkpoints["base_sd"]
+    quantized = [n for n in base if n.endswith(QUANTIZED_WEIGHTS)]
+    norms = [n for n in base if n.endswith("norm.weight")]
+    biases = [n for n in base if n.endswith(".bias")]
+    assert len(quantized) == 7 * 2 and len(norms) == 2 * 2 + 1 and len(biases) == 3 * 2
+    owned = len(base) - len(norms)
+    for name, tensor in perturbed.items():
+        model.load_weights([(name, tensor)])
+    assert checks[0] == owned, "TRL per-tensor load"
+    checks[0] = 0
+    WeightUpdater(int8_llm).update_weights(base.items())
+    assert checks[0] == len(base), "WeightUpdater.update_weights"
+    checks[0] = 0
+    int8_llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(perturbed.items())})
+    assert checks[0] == owned - len(quantized) + len(biases), "reload_weights"
+    checks[0] = 0
+    model.load_weights(list(base.items()))
+    assert checks[0] == owned, "verl: one load_weights call"
+    int8_llm.reset_prefix_cache()
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_layerwise_reload_refuses_a_non_finite_quantized_weight(checkpoints, bad):
+    """In vLLM's layerwise reload a quantized layer's weight is scanned by the quantizer only; a
+    NaN/Inf in it is still refused, naming the layer."""
+    llm = make_llm(checkpoints["base"], "int8")
+    try:
+        state = dict(checkpoints["perturbed_sd"])
+        name = "model.layers.1.self_attn.k_proj.weight"
+        state[name] = state[name].clone()
+        state[name][2, 3] = float(bad)
+        with pytest.raises(
+            WeightError,
+            match=r"layers\.1\.self_attn\.qkv_proj: weight: .*1 non-finite value",
+        ):
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
+    finally:
+        shutdown(llm)

@@ -27,6 +27,7 @@ apply_test_env()  # in-process engines, 1 GiB KV cache, no FLASHRL_CONFIG from t
 
 from vllm.inputs import TokensPrompt  # noqa: E402
 
+from cpu_flags import NO_AVX512_AMX, has_avx512_or_amx  # noqa: E402
 from flashrl.core.config import RolloutConfig  # noqa: E402
 from flashrl.engine import Engine, SamplingParams  # noqa: E402
 from flashrl.model.config import ModelConfig  # noqa: E402
@@ -40,6 +41,7 @@ from flashrl.vllm_backend.testing import load_state_dict, save_tiny_vllm_model  
 
 LLM_ARGS = dict(enforce_eager=True, max_model_len=128, max_num_seqs=8)
 FP8_KV = RolloutConfig(kv_cache_dtype="fp8")
+needs_fp8_kv_cache = pytest.mark.skipif(not has_avx512_or_amx(), reason=NO_AVX512_AMX)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +114,7 @@ def test_engine_kwargs_for_fp8_kv():
             engine_kwargs(RolloutConfig(kv_cache_dtype="fp8", kv_scale="dynamic"))
 
 
+@needs_fp8_kv_cache
 def test_start_up_and_first_prompts_calibrate_like_the_builtin_engine(setup):
     """At start-up the scales come from the checkpoint and random token ids; the first generate
     recalibrates on its prompts. Both equal flashrl's own calibration of the same weights (one
@@ -146,6 +149,7 @@ def test_start_up_and_first_prompts_calibrate_like_the_builtin_engine(setup):
     )
 
 
+@needs_fp8_kv_cache
 def test_update_that_scales_kv_recalibrates_and_stays_accurate(setup):
     sync, llm = setup["backend"].updater, setup["backend"].llm
     prompts, state = setup["prompts"], setup["state"]
@@ -175,6 +179,7 @@ def test_update_that_scales_kv_recalibrates_and_stays_accurate(setup):
     )  # leave the base weights and their scales
 
 
+@needs_fp8_kv_cache
 def test_update_recalibrates_on_remembered_rollouts_and_refuses_partial_updates(setup):
     backend, sync = setup["backend"], setup["backend"].updater
     outs = backend.generate(
@@ -203,6 +208,7 @@ def test_update_recalibrates_on_remembered_rollouts_and_refuses_partial_updates(
         sync.calibrate_kv(setup["prompts"])
 
 
+@needs_fp8_kv_cache
 def test_fixed_kv_scale_is_reapplied_after_every_update(setup):
     llm = setup["backend"].llm
     fixed = WeightUpdater(llm, kv_scale=0.05)
@@ -220,6 +226,7 @@ def test_fixed_kv_scale_is_reapplied_after_every_update(setup):
     )  # calibrated scales again for later tests
 
 
+@needs_fp8_kv_cache
 def test_flashrl_config_fp8_kv_in_a_fresh_multiprocess_engine(setup, tmp_path):
     """``FLASHRL_CONFIG`` with int8 weights and an fp8 KV cache on a plain ``LLM(model)`` (compiled
     model, engine core in its own process): the hook builds the fp8 cache, `WeightUpdater` sets

