@@ -20,6 +20,7 @@ import json
 import re
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -51,14 +52,41 @@ def category(name: str) -> str:
     return next((cat for cat, pattern in CATEGORIES if pattern.search(name)), "other")
 
 
-def kernel_times_us(prof: profile, device: str) -> dict[str, float]:
-    """Self time per kernel (CUDA) or per op (CPU), microseconds, summed over calls."""
+# CUPTI's own bookkeeping and range annotations: device-side entries that are not kernels
+NOT_KERNELS = re.compile(
+    r"^(## |ProfilerStep|cuLaunch|Command Buffer Full|Buffer Flush|Activity Buffer)"
+)
+
+
+def kernel_times_us(events, device: str) -> dict[str, float]:
+    """Self time per kernel (CUDA) or per op (CPU), microseconds, summed over calls.
+
+    On CUDA only device events count: a CPU op's self device time is its kernels' time again
+    (counting both doubled aten::cumsum), and a graph replay's `## Call CompiledFxGraph` range
+    spans the kernels it launched (counting it added about the whole step a second time)."""
     times: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages():
-        t = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
-        if t > 0 and not event.key.startswith("ProfilerStep"):
+    for event in events:
+        if device == "cuda":
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            t = event.self_device_time_total
+        else:
+            t = event.self_cpu_time_total
+        if t > 0 and not NOT_KERNELS.match(event.key):
             times[event.key] += t
     return times
+
+
+def wall_s(engine: Engine, prompts: list[list[int]], tokens: int, device: str) -> float:
+    """Seconds of one generate, unprofiled (the kernel sum says nothing of gaps between kernels)."""
+    params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=0)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def profiled(
@@ -70,7 +98,7 @@ def profiled(
         engine.generate(prompts, params)
         if device == "cuda":
             torch.cuda.synchronize()
-    return kernel_times_us(prof, device)
+    return kernel_times_us(prof.key_averages(), device)
 
 
 def profile_scheme(model_dir: Path, scheme: str, args: argparse.Namespace) -> dict:
@@ -89,6 +117,15 @@ def profile_scheme(model_dir: Path, scheme: str, args: argparse.Namespace) -> di
     full = profiled(engine, prompts, args.output_len, args.device)
     prefill = profiled(engine, prompts, 1, args.device)
     steps = args.output_len - 1
+    wall_us = (
+        min(  # best of 3: the machine's noise only adds
+            wall_s(engine, prompts, args.output_len, args.device)
+            - wall_s(engine, prompts, 1, args.device)
+            for _ in range(3)
+        )
+        / steps
+        * 1e6
+    )
     per_step = {k: (full[k] - prefill.get(k, 0.0)) / steps for k in full}
     by_category: dict[str, float] = defaultdict(float)
     for name, t in per_step.items():
@@ -98,13 +135,16 @@ def profile_scheme(model_dir: Path, scheme: str, args: argparse.Namespace) -> di
     return {
         "scheme": scheme,
         "decode_us_per_step": sum(per_step.values()),
+        "wall_us_per_step": wall_us,
         "by_category_us": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
         "top_kernels_us": [{"name": n, "us_per_step": t, "category": category(n)} for n, t in top],
     }
 
 
 def report(row: dict) -> str:
-    lines = [f"\n## {row['scheme']}: {row['decode_us_per_step']:.0f} us of kernels per decode step"]
+    kernels, wall = row["decode_us_per_step"], row["wall_us_per_step"]
+    lines = [f"\n## {row['scheme']}: {kernels:.0f} us of kernels per decode step, {wall:.0f} us wall"
+             f" ({max(wall - kernels, 0.0):.0f} us with no kernel running)"]  # fmt: skip
     lines += [f"  {cat:18s} {t:9.1f} us" for cat, t in row["by_category_us"].items()]
     lines += [f"    {k['us_per_step']:9.1f} us  [{k['category']}] {k['name'][:110]}"
               for k in row["top_kernels_us"]]  # fmt: skip
