@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from flashrl.core.config import RolloutConfig, resolve_config
 from flashrl.core.env import from_env
 from flashrl.engine import Engine
+from flashrl.model.config import ModelConfig
 from flashrl.quant.linear import DEFAULT_SKIP, DenseLinear, QuantLinear
 from flashrl.testing import save_tiny_model
 from flashrl.tools.cli import main
@@ -32,7 +33,9 @@ from flashrl.tools.profile import (
     ProfileConfig,
     run_profile,
 )
-from flashrl.tools.profile_metrics import recommend_skip, shard_names
+from flashrl.tools.profile_engines import calibrate, make_engine
+from flashrl.tools.profile_metrics import distribution_mismatch, recommend_skip, shard_names
+from flashrl.tools.profile_report import recommended_mismatch
 from flashrl.tools.setup import build_setup, load_profile, run_setup
 
 OUTLIER_LAYER = "model.layers.1.self_attn.qkv_proj"
@@ -191,7 +194,7 @@ def test_json_has_the_documented_fields(profiled):
     assert set(doc["calibration"]) == CALIBRATION and doc["calibration"]["source"] == "builtin"
     assert doc["calibration"]["num_sequences"] == 16 and doc["calibration"]["response_tokens"] > 0
     assert doc["kv_cache"] is None
-    assert SAMPLED <= set(doc["baseline"]["sampled"])
+    assert SAMPLED <= set(doc["baseline"]["sampled"]) and doc["baseline"]["decode_tok_s"] > 0
     # one layer entry per linear tensor of the checkpoint, in HF names
     expected = sorted(
         n.removesuffix(".weight")
@@ -209,9 +212,10 @@ def test_json_has_the_documented_fields(profiled):
         entry = doc["schemes"][scheme]
         assert set(entry) == SCHEME and set(entry["memory"]) == MEMORY
         assert (
-            set(entry["mismatch"]) == {"exact", "sampled", "kv_cache"}
+            set(entry["mismatch"]) == {"exact", "sampled", "kv_cache", "decode_tok_s"}
             and entry["mismatch"]["kv_cache"] is None
         )
+        assert entry["mismatch"]["decode_tok_s"] > 0
         assert set(entry["mismatch"]["exact"]) == EXACT and SAMPLED <= set(
             entry["mismatch"]["sampled"]
         )
@@ -542,7 +546,7 @@ def test_kv_cache_dtype_fp8(outlier_model):
     kv = doc["kv_cache"]
     assert kv["dtype"] == "fp8" and kv["kv_scale"] == "calibrated"
     assert kv["bytes_per_token"] < kv["bytes_per_token_bf16"]
-    assert set(kv["kv_only"]) == {"kv_cache", "sampled"}
+    assert set(kv["kv_only"]) == {"kv_cache", "sampled", "decode_tok_s"}
     assert kv["kv_only"]["kv_cache"]["kl"] > 0 and kv["kv_only"]["kv_cache"]["tokens"] > 0
     int8 = doc["schemes"]["int8"]
     assert (
@@ -610,3 +614,28 @@ def test_progress_names_each_stage(outlier_model, capsys):
     run_profile(ProfileConfig(model=str(outlier_model), quant="int8", device="cpu",
                               max_new_tokens=8, progress=False, smooth=None))  # fmt: skip
     assert "profile" not in capsys.readouterr().err
+
+
+def test_schemes_are_ranked_by_the_recommended_configs_kl_with_their_speed(profiled):
+    _, _, doc, stdout = profiled
+    kls = {s: recommended_mismatch(doc["schemes"][s])["exact"]["kl"] for s in ("int8", "fp8")}
+    order = sorted(kls, key=kls.get)
+    line = next(x for x in stdout.splitlines() if x.startswith("lowest mismatch first"))
+    assert line.index(f"{order[0]} (KL") < line.index(f"{order[1]} (KL"), line
+    base = doc["baseline"]["decode_tok_s"]
+    speed = recommended_mismatch(doc["schemes"]["int8"])["decode_tok_s"] / base
+    assert f"{speed:.2f}x bf16 decode" in line
+    assert "decode tok/s" in stdout and "vs bf16" in stdout
+
+
+def test_cached_reference_logits_give_the_same_exact_mismatch(outlier_model):
+    """`Calibration.exact` reuses the reference's logits across engines: the numbers are those of a
+    fresh reference forward per engine, bit for bit."""
+    cfg = ProfileConfig(model=str(outlier_model), device="cpu", max_new_tokens=8, progress=False)
+    cal, _ = calibrate(cfg, ModelConfig.from_model_dir(outlier_model))
+    cal.prompts, cal.rollouts = cal.prompts[:4], cal.rollouts[:4]
+    engine = make_engine(cfg, "int8", DEFAULT_SKIP, cal.max_len)
+    first, again = cal.exact(engine), cal.exact(engine)  # the second reads the cache
+    fresh = distribution_mismatch(cal.reference, engine, cal.sequences, cfg.temperature)
+    assert first == again == fresh
+    assert first["kl"] > 0

@@ -60,12 +60,7 @@ from flashrl.model.config import ModelConfig
 from flashrl.quant.linear import DEFAULT_SKIP
 from flashrl.tools.profile_config import DEFAULT_THRESHOLD, ProfileConfig
 from flashrl.tools.profile_engines import Calibration, Stages, calibrate, free_memory, make_engine
-from flashrl.tools.profile_metrics import (
-    distribution_mismatch,
-    layer_errors,
-    recommend_skip,
-    sampled_mismatch,
-)
+from flashrl.tools.profile_metrics import layer_errors, recommend_skip, sampled_mismatch
 from flashrl.tools.profile_schema import (
     KVCacheProfile,
     ModelSummary,
@@ -102,7 +97,7 @@ def _scheme_entry(
 
     def kl_of(names: list[str]) -> float:  # exact end-to-end KL with `names` kept in bf16
         trial = make_engine(cfg, scheme, list(DEFAULT_SKIP) + names, cal.max_len, kv)
-        kl = distribution_mismatch(cal.reference, trial, cal.sequences, cfg.temperature)["kl"]
+        kl = cal.exact(trial)["kl"]
         free_memory()
         return kl
 
@@ -227,7 +222,10 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
         ),
         calibration=calibration,
         layers=layers,
-        baseline={"sampled": sampled_mismatch(cal.reference, cal.rollouts, cfg.temperature)},
+        baseline={
+            "sampled": sampled_mismatch(cal.reference, cal.rollouts, cfg.temperature),
+            "decode_tok_s": cal.decode_tok_s,
+        },
     )
     for scheme in schemes:
         result.schemes[scheme] = _scheme_entry(cal, scheme, layers, bf16_bytes, stage)

@@ -169,15 +169,22 @@ def recommend_skip(
 
 @torch.no_grad()
 def distribution_mismatch(
-    reference: Engine, engine: Engine, sequences: list[list[int]], temperature: float = 1.0
+    reference: Engine,
+    engine: Engine,
+    sequences: list[list[int]],
+    temperature: float = 1.0,
+    reference_logits: Sequence[torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Full-vocabulary comparison in fp64 of `engine` (q) with `reference` (p) at every position of
-    `sequences` (no-cache forwards); fields as in the module doc's ``exact``."""
+    `sequences` (no-cache forwards); fields as in the module doc's ``exact``. `reference_logits`:
+    the reference's `logits` of each sequence, computed once by a caller that compares many engines
+    against it (the same numbers, without a reference forward per engine)."""
     sums = dict(kl=0.0, reverse_kl=0.0, tv=0.0, rollout_probs_diff_mean=0.0, top1_agreement=0.0)
     kl_max = diff_max = 0.0
     positions = 0
-    for seq in sequences:
-        lp = torch.log_softmax(reference.logits(seq).double() / temperature, dim=-1)
+    for i, seq in enumerate(sequences):
+        ref = reference.logits(seq) if reference_logits is None else reference_logits[i]
+        lp = torch.log_softmax(ref.double() / temperature, dim=-1)
         lq = torch.log_softmax(engine.logits(seq).double() / temperature, dim=-1)
         p, q = lp.exp(), lq.exp()
         diff = (q - p).abs()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from flashrl.tools.profile_engines import MAX_BATCH
 from flashrl.utils import format_table
 
 MAX_TABLE_LAYERS = 40
@@ -51,10 +52,15 @@ def _layer_table(doc: dict[str, Any]) -> list[str]:
     return lines + [format_table(rows, columns)]
 
 
-def _mismatch_row(label: str, mismatch: dict[str, Any], weight_bytes: int | None) -> dict[str, str]:
+def _mismatch_row(
+    label: str, mismatch: dict[str, Any], weight_bytes: int | None, bf16_tok_s: float | None = None
+) -> dict[str, str]:
     exact, sampled = mismatch.get("exact") or {}, mismatch["sampled"]
     kv = mismatch.get("kv_cache") or {}
+    tok_s = mismatch.get("decode_tok_s")  # absent in older profiles
     return {
+        "decode tok/s": f"{tok_s:.1f}" if tok_s else "-",
+        "vs bf16": f"{tok_s / bf16_tok_s:.2f}" if tok_s and bf16_tok_s else "-",
         "config": label,
         "kv kl": fmt(kv.get("kl")) if kv else "-",
         "kl": fmt(exact.get("kl")) if exact else "-",
@@ -72,11 +78,12 @@ def _mismatch_table(doc: dict[str, Any]) -> list[str]:
     schemes, kv = doc["settings"]["schemes"], doc.get("kv_cache")
     first = next(iter(doc["schemes"].values()), None)
     bf16_bytes = first["memory"]["weight_bytes_bf16"] if first else None
-    floor = {"sampled": doc["baseline"]["sampled"]}
-    rows = [_mismatch_row("bf16 (floor: cached vs no-cache)", floor, bf16_bytes)]
+    base = doc["baseline"]
+    speed = base.get("decode_tok_s")
+    rows = [_mismatch_row("bf16 (floor: cached vs no-cache)", base, bf16_bytes, speed)]
     for s in schemes:
         entry = doc["schemes"][s]
-        rows.append(_mismatch_row(s, entry["mismatch"], entry["memory"]["weight_bytes"]))
+        rows.append(_mismatch_row(s, entry["mismatch"], entry["memory"]["weight_bytes"], speed))
         kept = len(entry["recommended_skip"])
         if entry["mismatch_after_skip"] is not None:
             rows.append(
@@ -84,6 +91,7 @@ def _mismatch_table(doc: dict[str, Any]) -> list[str]:
                     f"{s} + {kept} tensor(s) kept in bf16",
                     entry["mismatch_after_skip"],
                     entry["memory"]["weight_bytes_after_skip"],
+                    speed,
                 )
             )
         if entry.get("mismatch_after_smooth") is not None:
@@ -93,6 +101,7 @@ def _mismatch_table(doc: dict[str, Any]) -> list[str]:
                     f"{label} (a = {entry['recommended_smooth']:g})",
                     entry["mismatch_after_smooth"],
                     entry["memory"]["weight_bytes_after_skip"],
+                    speed,
                 )
             )
     if kv:
@@ -104,8 +113,13 @@ def _mismatch_table(doc: dict[str, Any]) -> list[str]:
         "(no-cache forwards); kv kl: the KV cache only, exact, teacher-forced; sampled *: "
         "everything, on the config's own rollouts (what training logs at step 0)",
         format_table(
-            rows, columns + ["sampled kl", "sampled k3_kl", "sampled probs diff max", "weights MiB"]
+            rows,
+            columns
+            + ["sampled kl", "sampled k3_kl", "sampled probs diff max", "weights MiB"]
+            + ["decode tok/s", "vs bf16"],
         ),
+        "decode tok/s: while the config sampled its calibration responses (batch of at most "
+        f"{MAX_BATCH}, one run: a rough cost, not a benchmark)",
     ]
     if kv:
         lines.append(
@@ -135,6 +149,29 @@ def _advice(entry: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def recommended_mismatch(entry: dict[str, Any]) -> dict[str, Any]:
+    """The mismatch of a scheme's recommended config (skip list, then smoothing, when chosen)."""
+    return entry.get("mismatch_after_smooth") or entry["mismatch_after_skip"] or entry["mismatch"]
+
+
+def _ranking(doc: dict[str, Any]) -> str:
+    """One line over several profiled schemes: each recommended config by exact KL, with its
+    decode speed, so the trade between mismatch and speed is read off one place."""
+    base = doc["baseline"].get("decode_tok_s")
+    parts = []
+    for s in doc["settings"]["schemes"]:
+        m = recommended_mismatch(doc["schemes"][s])
+        speed = (
+            f", {m['decode_tok_s'] / base:.2f}x bf16 decode"
+            if m.get("decode_tok_s") and base
+            else ""
+        )
+        parts.append((m["exact"]["kl"], f"{s} (KL {fmt(m['exact']['kl'])}{speed})"))
+    return "lowest mismatch first (recommended configs): " + ", ".join(
+        text for _, text in sorted(parts)
+    )
+
+
 def format_profile(doc: dict[str, Any]) -> str:
     """The readable summary printed by `flashrl profile`, from the JSON document."""
     model, calibration = doc["model"], doc["calibration"]
@@ -148,4 +185,6 @@ def format_profile(doc: dict[str, Any]) -> str:
     lines += ["", *_layer_table(doc), "", *_mismatch_table(doc), ""]
     for s in doc["settings"]["schemes"]:
         lines.append(f"{s}: {_advice(doc['schemes'][s])}")
+    if len(doc["settings"]["schemes"]) > 1:
+        lines.append(_ranking(doc))
     return "\n".join(lines)

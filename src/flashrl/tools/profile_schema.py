@@ -13,7 +13,8 @@ from typing import Any
 from flashrl.tools.checks import strict_json
 
 Mismatch = dict[str, Any]
-"""``{"exact", "kv_cache", "sampled"}`` (`profile_metrics.distribution_mismatch` and friends)."""
+"""``{"exact", "kv_cache", "sampled", "decode_tok_s"}`` (`profile_metrics.distribution_mismatch`
+and friends; the engine's decode tokens/s while it sampled)."""
 
 
 @dataclass
@@ -111,7 +112,8 @@ class ProfileResult:
     settings: ProfileSettings
     calibration: CalibrationSummary
     layers: list[dict[str, Any]]
-    baseline: dict[str, Mismatch]
+    baseline: dict[str, Any]
+    """``sampled``: the bf16 floor (cached vs no-cache); ``decode_tok_s``: the bf16 engine's."""
     schemes: dict[str, SchemeProfile] = field(default_factory=dict)
     kv_cache: KVCacheProfile | None = None
     timings_s: dict[str, float] = field(default_factory=dict)
