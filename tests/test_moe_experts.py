@@ -302,8 +302,11 @@ def test_fp8_expert_gemms_get_16_byte_aligned_scales(scheme, moe_pair, monkeypat
     """cuBLASLt's fp8 GEMM refuses scales that do not start on a 16-byte boundary (the MoE CUDA
     test failed so on an H100 and an H200); an expert's scale, or some tokens' rows of a per-token
     scale, are slices that can start anywhere, so every `_scaled_mm` must get aligned ones."""
-    if not gemm.cpu_has_rowwise_scaled_mm():
-        pytest.skip("this torch's CPU _scaled_mm takes no rowwise scales: the fallback runs")
+    from flashrl.quant import dispatch
+
+    for kind, cuda_gemm in (("fp8_tensorwise", gemm.fp8_tensorwise_cuda),
+                            ("fp8_rowwise", gemm.fp8_rowwise_cuda)):  # fmt: skip
+        monkeypatch.setitem(dispatch.GEMMS, (kind, "cpu"), cuda_gemm)  # the CUDA calls, on CPU
     seen, real = [], torch._scaled_mm
 
     def recording(a, b, scale_a, scale_b, **kw):

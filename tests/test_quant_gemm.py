@@ -88,37 +88,36 @@ def test_fp8_scaled_mm_against_fp64_dequant(name, m, k, n, out_dtype, tol, gen):
 
 @pytest.mark.parametrize("name", ["fp8", "fp8_channel"])
 @pytest.mark.parametrize("out_dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
-def test_fp8_cpu_without_rowwise_scaled_mm(name, out_dtype, tol, monkeypatch, gen):
-    """A torch whose CPU `_scaled_mm` takes no rowwise scales (2.11; seen on a GPU machine's image)
-    multiplies the fp8 codes in fp32 instead: same products, so within fp32 summation rounding of
-    `_scaled_mm` and of the float64 reference, and `_scaled_mm` is never called with rowwise scales."""
+def test_fp8_cpu_gemm_multiplies_the_decoded_codes_in_fp32(name, out_dtype, tol, monkeypatch, gen):
+    """The CPU fp8 GEMM multiplies the fp8 codes in fp32 (every product of two e4m3 values is exact
+    there): within fp32 summation rounding of torch's own `_scaled_mm` (the CUDA function, run on
+    CPU tensors) and of the float64 reference, and it never calls `_scaled_mm` itself."""
     import flashrl.quant.gemm as gemm
 
     scheme = get_scheme(name)
     x, w = torch.randn(9, 256, generator=gen), torch.randn(48, 256, generator=gen) * 0.05
     wq, sw = quantize_weight(w, scheme)
-    kernel = scaled_linear(x, wq, sw, scheme, None, out_dtype)
-    monkeypatch.setattr(gemm, "_cpu_rowwise", False)
+    xq, sx = quantize_activation(x, scheme)
+    args = gemm.GemmArgs(xq, sx, wq, sw, scheme, out_dtype)
+    torch_kernel = gemm.fp8_rowwise_cuda(args)  # torch's CPU `_scaled_mm`, rowwise scales
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: pytest.fail("_scaled_mm called"))
     y = scaled_linear(x, wq, sw, scheme, None, out_dtype)
-    xq, sx = quantize_activation(x, scheme)
     ref = (xq.double() * sx.double()) @ (wq.double() * sw.double().reshape(-1, 1)).t()
-    assert y.dtype == out_dtype and rel_err(y, ref) < tol and rel_err(y, kernel) < tol
+    assert y.dtype == out_dtype and rel_err(y, ref) < tol and rel_err(y, torch_kernel) < tol
     if scheme.activation_granularity == "token":  # MoE experts' path: the same ops, same bits
         assert torch.equal(prequantized_linear(xq, sx, wq, sw, scheme, out_dtype), y)
 
 
-def test_cpu_rowwise_probe_matches_this_torch():
-    """The probe's answer is what this torch's CPU kernel does with rowwise scales."""
-    import flashrl.quant.gemm as gemm
+def test_fp8_codes_decode_to_fp32_bit_for_bit():
+    """The CPU lookup gives what torch's cast gives for all 256 codes (NaN codes too), in any
+    layout."""
+    from flashrl.quant.encode import fp8_to_fp32
 
-    a = torch.ones(2, 16).to(torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(a, a.t(), torch.ones(2, 1), torch.ones(1, 2), out_dtype=torch.float32)
-        works = True
-    except RuntimeError:
-        works = False
-    assert gemm.cpu_has_rowwise_scaled_mm() is works
+    q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
+    for view in (q, q.t(), q[3:9, 2:7]):
+        bits = fp8_to_fp32(view).view(torch.int32)
+        assert torch.equal(bits, view.to(torch.float32).view(torch.int32))
+    assert int(fp8_to_fp32(q).isnan().sum()) == 2
 
 
 def test_fp8_tensor_with_per_row_weight_scale_equals_per_shard(gen):

@@ -11,11 +11,12 @@ every function here takes one `GemmArgs`, activations already quantized
 | `int8_group`          | dequantized 1xg activation groups times the int8 weight codes, fp32 matmul | ``* s_w^T (+ bias)``, then cast |
 | `fp8_tensorwise_cuda` | `torch._scaled_mm`, one scale each                  | inside the op; bias added after in out dtype |
 | `fp8_rowwise_cuda`    | `torch._scaled_mm`, rowwise ``[M,1] x [1,N]``       | inside the op; bias added after in out dtype |
-| `fp8_rowwise_cpu`     | the same op, or an fp32 matmul of the codes on a torch without CPU rowwise scales | the same |
+| `fp8_rowwise_cpu`     | fp32 matmul of the decoded codes (exact products, another summation order) | fp32 ``* s_x * s_w^T``, cast, bias |
 | `fp8_block`           | reference: dequantize per 128x128 block / 1x128 group, fp32 matmul | ``+ bias``, then cast |
 
-`torch._int_mm` and `torch._scaled_mm` (tensorwise and rowwise) run on the CPU build of torch 2.13,
-so the fast paths are what the CPU tests exercise. CUDA shape rules (numerics.md section 5):
+`torch._int_mm` runs on the CPU build of torch 2.13 (used on AMX CPUs); `torch._scaled_mm` runs
+there too but several times slower than an fp32 matmul of the decoded fp8 codes, which gives the
+same products (no CPU has fp8 arithmetic), so the CPU fp8 GEMM is that matmul. CUDA shape rules (numerics.md section 5):
 `_int_mm` needs M > 16 and K, N multiples of 8; we pad M with zero rows and slice the result back.
 `_scaled_mm` needs K and N multiples of 16, which `check_gemm_shape` enforces at layer creation.
 The blockwise CUDA kernels are not wired in yet: on every device `fp8_block` runs the reference path
@@ -38,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from flashrl.errors import UnsupportedError
+from flashrl.quant.encode import fp8_to_fp32
 from flashrl.quant.primitives import dequantize_per_block_shards, dequantize_per_group
 from flashrl.quant.schemes import QuantScheme
 
@@ -48,7 +50,6 @@ EXACT_FP32_CHUNK = 1024
 """Columns of K per fp32 matmul in the CPU int8 path: 1024 * 128 * 128 = 2^24, the largest integer
 range fp32 holds exactly (codes are in [-128, 127])."""
 _warned_reference: set[str] = set()
-_cpu_rowwise: bool | None = None
 
 
 class GemmArgs(NamedTuple):
@@ -64,27 +65,6 @@ class GemmArgs(NamedTuple):
     bias: torch.Tensor | None = None
     shard_sizes: tuple[int, ...] | None = None
     """Rows of each shard of a fused weight: blocks have one grid per shard."""
-
-
-def cpu_has_rowwise_scaled_mm() -> bool:
-    """Whether this torch's CPU `torch._scaled_mm` takes rowwise scales (torch 2.13 does; 2.11 only
-    takes one scale per operand). Probed once; without it the CPU fp8 path multiplies the fp8 codes
-    as fp32 (every product of two e4m3 values is exact in fp32; only the summation order differs),
-    and says so once at INFO."""
-    global _cpu_rowwise
-    if _cpu_rowwise is None:
-        a = torch.ones(2, 16).to(torch.float8_e4m3fn)
-        try:
-            torch._scaled_mm(a, a.t(), torch.ones(2, 1), torch.ones(1, 2), out_dtype=torch.float32)
-            _cpu_rowwise = True
-        except (RuntimeError, NotImplementedError):
-            _cpu_rowwise = False
-            logger.info(
-                "torch %s: CPU _scaled_mm has no rowwise scales; CPU fp8 GEMMs run as fp32 "
-                "matmuls of the fp8 codes (same products, another summation order)",
-                torch.__version__,
-            )
-    return _cpu_rowwise
 
 
 def check_gemm_shape(
@@ -219,16 +199,14 @@ def fp8_rowwise_cuda(a: GemmArgs) -> torch.Tensor:
 
 
 def fp8_rowwise_cpu(a: GemmArgs) -> torch.Tensor:
-    """`fp8_rowwise_cuda` on the CPU, for per-tensor scales too: torch 2.13's CPU tensorwise kernel
-    is about 70x slower than its rowwise one (the same products). On a torch without CPU rowwise
-    scales (`cpu_has_rowwise_scaled_mm`) an fp32 matmul of the codes: the same exact products in
-    another summation order."""
+    """`fp8_rowwise_cuda` on the CPU, for per-tensor scales too: the fp8 codes decoded to fp32
+    (`encode.fp8_to_fp32`) and multiplied in fp32. Every product of two e4m3 values is exact in
+    fp32, so this differs from `torch._scaled_mm` only in summation order, and it is several
+    times faster than torch's CPU `_scaled_mm` (no CPU has fp8 arithmetic; its tensorwise kernel
+    is slower still). Measured: benchmarks/RESULTS.md, "CPU fp8 GEMM"."""
     scale_a, scale_b = _rowwise_scales(a)
-    if cpu_has_rowwise_scaled_mm():
-        y = torch._scaled_mm(a.xq, a.wq.t(), scale_a, scale_b, out_dtype=a.out_dtype)
-    else:
-        y = (a.xq.float() @ a.wq.float().t()).mul_(scale_a).mul_(scale_b).to(a.out_dtype)
-    return _add_bias(y, a)
+    y = (fp8_to_fp32(a.xq) @ fp8_to_fp32(a.wq).t()).mul_(scale_a).mul_(scale_b)
+    return _add_bias(y.to(a.out_dtype), a)
 
 
 def fp8_block(a: GemmArgs) -> torch.Tensor:
