@@ -97,11 +97,8 @@ class VLLMBackend:
 
         vLLM refuses ``n > 1`` with greedy sampling, so greedy requests are repeated instead.
         """
-        start, up = time.perf_counter(), self.updater
-        if up.smoothing_pending:  # also sets the fp8 KV scales on these prompts
-            self._stats["smooth_calibration_s"] += up.calibrate_smoothing(self._token_ids(prompts))
-        if up.kv.calibrated and up.kv.from_fallback and up.version == 0:
-            self._stats["kv_calibration_s"] += self.updater.calibrate_kv(self._token_ids(prompts))
+        start = time.perf_counter()
+        self._first_calibrations(prompts)
         repeat = params.n if params.greedy else 1
         requests = [self._prompt(p) for p in prompts for _ in range(repeat)]
         outputs = self.llm.generate(
@@ -151,6 +148,15 @@ class VLLMBackend:
         self._stats["prompt_tokens"] += sum(len(o.prompt_token_ids) for o in outputs)
         self._stats["generated_tokens"] += sum(len(r.response_ids) for r in rollouts)
         return rollouts
+
+    def _first_calibrations(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> None:
+        """Before the first update: calibrate the smoothing factors, then the fp8 KV scales (start-up
+        ones come from random token ids), on these prompts."""
+        up = self.updater
+        if up.smoothing_pending:  # also sets the fp8 KV scales on these prompts
+            self._stats["smooth_calibration_s"] += up.calibrate_smoothing(self._token_ids(prompts))
+        if up.kv.calibrated and up.kv.from_fallback and up.version == 0:
+            self._stats["kv_calibration_s"] += up.calibrate_kv(self._token_ids(prompts))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Update vLLM's weights (Hugging Face names); returns `WeightUpdater.update_weights`'s
