@@ -26,13 +26,13 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from _common import device_name, format_table, write_json  # noqa: E402
-from flashrl.core.config import RolloutConfig  # noqa: E402
-from flashrl.correction import mismatch_metrics  # noqa: E402
-from flashrl.rl.data import render_prompt  # noqa: E402
-from flashrl.tools.calibration_prompts import CALIBRATION_PROMPTS  # noqa: E402
+from _common import device_name, format_table, write_json
+from flashrl.core.config import RolloutConfig
+from flashrl.correction import mismatch_metrics
+from flashrl.rl.data import render_prompt
+from flashrl.tools.calibration_prompts import CALIBRATION_PROMPTS
 
 COLUMNS = ["variant", "length", "kl", "k3_kl", "max_abs_dlogp", "smoothed_layers", "tokens_per_s"]
 
@@ -55,7 +55,9 @@ def engine(model_dir: Path, variant: str, max_len: int):
 
     name, _, sq = variant.partition("+sq")
     dtype = "float32" if name == "fp32" else "bfloat16"
-    config = RolloutConfig(quant="bf16" if name == "fp32" else name, smooth=float(sq) if sq else None)
+    config = RolloutConfig(
+        quant="bf16" if name == "fp32" else name, smooth=float(sq) if sq else None
+    )
     return vllm.LLM(
         str(model_dir), **engine_kwargs(config), dtype=dtype, enforce_eager=True,
         max_model_len=max_len, max_num_seqs=16, seed=0,
