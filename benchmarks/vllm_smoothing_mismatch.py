@@ -92,7 +92,14 @@ def rescore(llm, rollouts) -> list[list[float]]:
     ]  # fmt: skip
 
 
-def run_variant(model_dir, variant, reference, prompts, calib, lengths, seed) -> list[dict]:
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def run_variant(model_dir, variant, prompts, calib, lengths, seed) -> dict:
+    """The measured rollouts of one variant's engine (shut down after: in one process, vLLM's
+    shutdown tears down state that other live engines need, so engines run one at a time)."""
     from flashrl.vllm_backend import WeightUpdater
 
     llm = engine(model_dir, variant, 128 + max(lengths))
@@ -104,19 +111,22 @@ def run_variant(model_dir, variant, reference, prompts, calib, lengths, seed) ->
         rollouts = sample(llm, prompts, max(lengths), seed)
         tokens_per_s = sum(len(r) for _, r, _ in rollouts) / (time.perf_counter() - start)
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-    scored = rescore(reference, rollouts)
+        shutdown(llm)
+    return {"variant": variant, "rollouts": rollouts, "smoothed_layers": up.smoothed_layers,
+            "tokens_per_s": tokens_per_s}  # fmt: skip
+
+
+def measure(run: dict, scored: list[list[float]], lengths) -> list[dict]:
+    rollouts = run["rollouts"]
     rows = []
     for length in lengths:
         lp_roll = torch.tensor([lp[:length] for _, _, lp in rollouts], dtype=torch.float32)
         lp_ref = torch.tensor([s[:length] for s in scored], dtype=torch.float32)
         m = mismatch_metrics(lp_ref, lp_roll, torch.ones_like(lp_roll, dtype=torch.bool))
         rows.append({
-            "variant": variant, "length": length, "kl": m["kl"], "k3_kl": m["k3_kl"],
+            "variant": run["variant"], "length": length, "kl": m["kl"], "k3_kl": m["k3_kl"],
             "max_abs_dlogp": float((lp_roll - lp_ref).abs().max()),
-            "smoothed_layers": up.smoothed_layers, "tokens_per_s": tokens_per_s,
+            "smoothed_layers": run["smoothed_layers"], "tokens_per_s": run["tokens_per_s"],
         })  # fmt: skip
     return rows
 
@@ -137,19 +147,24 @@ def main() -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     prompts = prompt_ids(tokenizer, 0, args.prompts)
     calib = prompt_ids(tokenizer, args.prompts, args.prompts)
+    runs = [
+        run_variant(model_dir, v, prompts, calib, lengths, args.seed)
+        for v in args.variants.split(",")
+    ]
     reference = engine(model_dir, "fp32", 128 + max(lengths))
-    rows: list[dict] = []
-    for variant in args.variants.split(","):
-        rows += run_variant(model_dir, variant, reference, prompts, calib, lengths, args.seed)
-        payload = {
-            "device": device_name(torch.device("cpu")),
-            "model": str(model_dir),
-            "prompts": len(prompts),
-            "threads": torch.get_num_threads(),
-            "rows": rows,
-        }
-        write_json(Path(__file__).parent / args.out, payload)
+    rows = [
+        row for run in runs for row in measure(run, rescore(reference, run["rollouts"]), lengths)
+    ]
+    payload = {
+        "device": device_name(torch.device("cpu")),
+        "model": str(model_dir),
+        "prompts": len(prompts),
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+    write_json(Path(__file__).parent / args.out, payload)
     print(format_table(rows, COLUMNS))
+    shutdown(reference)
 
 
 if __name__ == "__main__":
