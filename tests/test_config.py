@@ -436,11 +436,33 @@ def test_cli_reports_bad_variables(flashrl_logger, monkeypatch, capsys, tmp_path
 @pytest.mark.parametrize("scheme", ["int8_g128", "int8_g64"])
 def test_vllm_backend_names_group_int8(scheme):
     """The per-group int8 schemes have their own vLLM quantization method; online smoothing (the
-    other low-mismatch lever) is still refused by name."""
+    other low-mismatch lever) goes to it in the quantization config."""
     from flashrl.vllm_backend.config import engine_kwargs
     from flashrl.vllm_backend.names import METHOD_NAMES
 
     assert engine_kwargs(RolloutConfig(quant=scheme))["quantization"] == f"flashrl_{scheme}"
+    assert "hf_overrides" not in engine_kwargs(RolloutConfig(quant=scheme))  # defaults: none
     assert METHOD_NAMES[scheme] == f"flashrl_{scheme}"
-    with pytest.raises(ValueError, match="smooth=0.5 is not supported by the vLLM backend"):
-        engine_kwargs(RolloutConfig(quant=scheme, smooth=0.5))
+    kwargs = engine_kwargs(RolloutConfig(quant=scheme, smooth=0.5))
+    assert kwargs["quantization"] == f"flashrl_{scheme}"
+    assert kwargs["hf_overrides"]["quantization_config"] == {
+        "quant_method": f"flashrl_{scheme}",
+        "skip": list(DEFAULT_SKIP),
+        "smooth": 0.5,
+    }
+
+
+def test_flashrl_config_file_with_smooth_reaches_the_vllm_engine(tmp_path, monkeypatch):
+    """``FLASHRL_CONFIG=<yaml with smooth>``: `engine_kwargs()` (what the plugin's hook applies to
+    an unmodified ``LLM(model)``) carries the exponent; bf16 with smooth is still refused, naming it."""
+    from flashrl.vllm_backend.config import engine_kwargs
+
+    path = tmp_path / "flashrl.yaml"
+    path.write_text("quant: int8\nsmooth: 0.5\nskip: [lm_head, '*.mlp.gate', '*.down_proj']\n")
+    monkeypatch.setenv("FLASHRL_CONFIG", str(path))
+    monkeypatch.delenv("FLASHRL_LMHEAD_FP32", raising=False)
+    quant_config = engine_kwargs()["hf_overrides"]["quantization_config"]
+    assert quant_config["smooth"] == 0.5 and "*.down_proj" in quant_config["skip"]
+    path.write_text("quant: bf16\nsmooth: 0.5\n")
+    with pytest.raises(ConfigError, match="smooth needs a quantized scheme"):
+        engine_kwargs()

@@ -178,10 +178,10 @@ def test_smoothing_config_errors(tiny_models):
         RolloutConfig(quant="bf16", smooth=0.5)
     with pytest.raises(ConfigError, match="not supported for MoE models"):
         Engine(tiny_models("qwen3_moe"), "int8", device="cpu", progress=False, smooth=0.5)
-    from flashrl.vllm_backend.config import engine_kwargs
+    from flashrl.vllm_backend.config import engine_kwargs  # the vLLM plugin smooths too
 
-    with pytest.raises(ValueError, match="smooth=0.5 is not supported by the vLLM backend"):
-        engine_kwargs(RolloutConfig(quant="int8", smooth=0.5))
+    quant_config = engine_kwargs(RolloutConfig(quant="int8", smooth=0.5))["hf_overrides"]
+    assert quant_config["quantization_config"]["smooth"] == 0.5
 
 
 @pytest.mark.parametrize(

@@ -188,7 +188,7 @@ class RolloutConfig:
     average; built-in engine only, not for MoE experts). See docs/real-model.md."""
     smooth: float | None = setting(None, check=_check_smooth)
     """Online SmoothQuant exponent a in (0, 1], factors recomputed at every weight update
-    (`flashrl.quant.smoothing`); None: off. Built-in engine only, not for MoE models."""
+    (`flashrl.quant.smoothing`); None: off. Built-in engine and vLLM plugin; not for MoE experts."""
 
     def __post_init__(self) -> None:
         check_fields(self, of=RolloutConfig)  # a subclass checks its own fields

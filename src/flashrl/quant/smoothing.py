@@ -33,14 +33,22 @@ STAT_FLOOR = 1e-5
 """Floor on max|x| and max|W| before the powers (SmoothQuant's own clamp)."""
 
 
+def smoothing_buffers(in_features: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The three fp32 [in_features] tensors of a smoothed layer: ``smooth`` (ones), ``act_amax``
+    and ``act_stat`` (zeros). The vLLM plugin keeps them outside vLLM's view of the layer."""
+    return {
+        "smooth": torch.ones(in_features, dtype=torch.float32, device=device),
+        "act_amax": torch.zeros(in_features, dtype=torch.float32, device=device),
+        "act_stat": torch.zeros(in_features, dtype=torch.float32, device=device),
+    }
+
+
 def enable_smoothing_(layer: nn.Module) -> None:
     """Give `layer` (a `QuantLinear`) the smoothing buffers; s = 1 until `refresh_` has statistics.
 
     Call before the weights are loaded: codes are always encoded as ``W * s`` with the current s."""
-    k, device = layer.in_features, layer.weight.device
-    layer.register_buffer("smooth", torch.ones(k, dtype=torch.float32, device=device))
-    layer.register_buffer("act_amax", torch.zeros(k, dtype=torch.float32, device=device))
-    layer.register_buffer("act_stat", torch.zeros(k, dtype=torch.float32, device=device))
+    for name, tensor in smoothing_buffers(layer.in_features, layer.weight.device).items():
+        layer.register_buffer(name, tensor)
 
 
 def observe_and_scale(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

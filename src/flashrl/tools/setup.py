@@ -168,8 +168,8 @@ def _header(
         lines.append(
             f"online smoothing (a = {smoothing['alpha']:g}) on top of that skip list: exact KL "
             f"{fmt(smoothing['kl'])}, {'kept' if smoothing['kept'] else 'not kept (no lower)'}"
-            + ("; built-in engine only (the vLLM plugin refuses smooth: drop the line there)"
-               if smoothing["kept"] else "")
+            + ("; the built-in engine and the vLLM plugin both honour it" if smoothing["kept"]
+               else "")
         )  # fmt: skip
     lines += [
         "use: FLASHRL_CONFIG=<this file>, Engine(model, <this file>), "

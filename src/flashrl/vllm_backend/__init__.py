@@ -15,6 +15,7 @@
 | `plugin`        | ``vllm.general_plugins`` entry point: registers the methods, the transfer backend, the FLASHRL_CONFIG hook |
 | `quant_config`  | ``flashrl_<scheme>`` configs (int8, fp8, fp8_channel, fp8_block, int8_g128, int8_g64): a method per layer |
 | `quant_methods` | the quantized linear method (re-quantized in place on every load), `dense_methods` the high-precision ones |
+| `smoothing`     | online SmoothQuant (``smooth``): factors refreshed at every load, statistics in the forward |
 | `moe_methods`   | quantized routed experts (`moe_loading`: their direct-load weight loaders)            |
 | `direct_load`, `kernels` | a trainer's `model.load_weights` into quantized layers; vLLM's scaled-mm kernels |
 | `transfer`      | the ``flashrl`` weight-transfer backend and the ``flashrl_*`` worker methods        |

@@ -12,6 +12,10 @@ logprobs (always raw).
 FP8 KV cache with calibrated scales: every `generate` hands its sequences (prompt + response) to
 `WeightUpdater.remember_kv`, so each update recalibrates on the latest rollouts; the first `generate`
 recalibrates the start-up scales (computed from random token ids) on its own prompts first.
+
+Online smoothing (``smooth``): the first `generate` calibrates the factors on its own prompts, as
+the built-in engine does (`WeightUpdater.calibrate_smoothing`: a prefill, then the checkpoint
+reloaded with fresh factors; ``smooth_calibration_s`` in `stats`); every update refreshes them.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class VLLMBackend:
                 "transfer_s",
                 "requantize_s",
                 "kv_calibration_s",
+                "smooth_calibration_s",
             ),
             0.0,
         )
@@ -92,9 +97,8 @@ class VLLMBackend:
 
         vLLM refuses ``n > 1`` with greedy sampling, so greedy requests are repeated instead.
         """
-        start, up = time.perf_counter(), self.updater
-        if up.kv.calibrated and up.kv.from_fallback and up.version == 0:
-            self._stats["kv_calibration_s"] += self.updater.calibrate_kv(self._token_ids(prompts))
+        start = time.perf_counter()
+        self._first_calibrations(prompts)
         repeat = params.n if params.greedy else 1
         requests = [self._prompt(p) for p in prompts for _ in range(repeat)]
         outputs = self.llm.generate(
@@ -145,6 +149,15 @@ class VLLMBackend:
         self._stats["generated_tokens"] += sum(len(r.response_ids) for r in rollouts)
         return rollouts
 
+    def _first_calibrations(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> None:
+        """Before the first update: calibrate the smoothing factors, then the fp8 KV scales (start-up
+        ones come from random token ids), on these prompts."""
+        up = self.updater
+        if up.smoothing_pending:  # also sets the fp8 KV scales on these prompts
+            self._stats["smooth_calibration_s"] += up.calibrate_smoothing(self._token_ids(prompts))
+        if up.kv.calibrated and up.kv.from_fallback and up.version == 0:
+            self._stats["kv_calibration_s"] += up.calibrate_kv(self._token_ids(prompts))
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Update vLLM's weights (Hugging Face names); returns `WeightUpdater.update_weights`'s
         stats."""
@@ -156,7 +169,7 @@ class VLLMBackend:
 
     def stats(self) -> dict[str, float]:
         """Every key of `flashrl.core.rollout.BACKEND_STATS` (``kv_calibration_s`` includes
-        start-up), ``raw_logprob_s``, plus the current fp8 KV scales (``kv_{k,v}_scale_{mean,max}``)
+        start-up), ``raw_logprob_s``, ``smooth_calibration_s`` (the first smoothing calibration), plus the current fp8 KV scales (``kv_{k,v}_scale_{mean,max}``)
         when they are calibrated."""
         stats = dict(self._stats)
         stats["kv_calibration_s"] += self.updater.kv_start_s

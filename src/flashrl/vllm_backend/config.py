@@ -42,11 +42,6 @@ def refuse_builtin_only(config: RolloutConfig) -> None:
             f"quant={config.quant!r} is not supported by the vLLM backend; use the built-in "
             f"engine, or one of: bf16, {', '.join(METHOD_NAMES)}"
         )
-    if config.smooth is not None:
-        raise ValueError(
-            f"smooth={config.smooth!r} is not supported by the vLLM backend yet (online smoothing "
-            "runs in the built-in engine); use the built-in engine or drop smooth"
-        )
     if config.sync_rounding != "nearest":
         raise ValueError(
             f"sync_rounding={config.sync_rounding!r} is not supported by the vLLM backend (vLLM "
@@ -63,7 +58,8 @@ def engine_kwargs(scheme: str | RolloutConfig | None = None) -> dict[str, Any]:
     ``FLASHRL_CONFIG``. The result holds:
 
     - ``quantization``: ``flashrl_<scheme>`` (absent for bf16), plus ``hf_overrides`` carrying the
-      skip list when it differs from the default;
+      skip list and the smoothing exponent (``smooth``, `flashrl.vllm_backend.smoothing`) when
+      either differs from the default;
     - ``logprobs_mode="processed_logprobs"``: logprobs of the distribution actually sampled from;
     - ``weight_transfer_config={"backend": "flashrl"}`` and the ``flashrl_*`` worker extension,
       which `WeightUpdater` uses to update the weights every step;
@@ -73,8 +69,9 @@ def engine_kwargs(scheme: str | RolloutConfig | None = None) -> dict[str, Any]:
       reload); with ``kv_scale: dynamic``, vLLM's ``fp8_per_token_head`` cache (scales per token and
       head at write time, no calibration), which vLLM 0.32 runs only in CUDA Triton attention.
 
-    Raises ValueError for settings the vLLM backend cannot honour (online smoothing; fp32 LM head;
-    stochastic sync rounding; dynamic KV scales without a CUDA device).
+    Raises ValueError for settings the vLLM backend cannot honour (fp32 LM head; stochastic sync
+    rounding; dynamic KV scales without a CUDA device). Smoothing a model with quantized MoE experts
+    is refused when vLLM builds it (`ConfigError` naming the experts).
     """
     config = rollout_config(scheme)
     refuse_builtin_only(config)
@@ -86,10 +83,11 @@ def engine_kwargs(scheme: str | RolloutConfig | None = None) -> dict[str, Any]:
     if config.quant != "bf16":
         method = METHOD_NAMES[config.quant]
         kwargs["quantization"] = method
-        if tuple(config.skip) != DEFAULT_SKIP:
-            kwargs["hf_overrides"] = {
-                "quantization_config": {"quant_method": method, "skip": list(config.skip)}
-            }
+        if tuple(config.skip) != DEFAULT_SKIP or config.smooth is not None:
+            quant_config: dict[str, Any] = {"quant_method": method, "skip": list(config.skip)}
+            if config.smooth is not None:
+                quant_config["smooth"] = config.smooth
+            kwargs["hf_overrides"] = {"quantization_config": quant_config}
     if config.kv_cache_dtype == "fp8" and config.kv_scale == "dynamic":
         import torch
 

@@ -18,6 +18,7 @@ from vllm.model_executor.layers.quantization.base_config import (
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
+from flashrl.errors import ConfigError
 from flashrl.quant.linear import DEFAULT_SKIP, matches_any
 from flashrl.vllm_backend.dense_methods import FlashRLDenseLinearMethod, FlashRLEmbeddingMethod
 from flashrl.vllm_backend.moe_methods import FlashRLFusedMoEMethod, is_router
@@ -32,19 +33,33 @@ class FlashRLQuantConfig(QuantizationConfig):
     `flashrl.quant.quantize_`), matched against the checkpoint names of the tensors a vLLM layer
     fuses (``...q_proj``, ``...k_proj``, ``...v_proj`` for ``...qkv_proj``). A fused layer is
     skipped when all of its parts match; a pattern that matches only some parts is an error.
+
+    ``smooth`` (a number in (0, 1], or None) turns on online smoothing of the quantized linear
+    layers with that exponent (`flashrl.vllm_backend.smoothing`); MoE experts are not smoothed, so a
+    model with quantized experts is refused.
     """
 
     scheme_name: ClassVar[str] = ""
     min_capability: ClassVar[int] = 89
 
-    def __init__(self, skip: tuple[str, ...] | list[str] = DEFAULT_SKIP) -> None:
+    def __init__(
+        self, skip: tuple[str, ...] | list[str] = DEFAULT_SKIP, smooth: float | None = None
+    ) -> None:
         super().__init__()
         if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
             raise ValueError(f"skip must be a list of module-name patterns, got {skip!r}")
+        if smooth is not None and (
+            isinstance(smooth, bool) or not isinstance(smooth, int | float) or not 0 < smooth <= 1
+        ):
+            raise ConfigError(
+                f"smooth={smooth!r} in the {self.method_name()} quantization_config is invalid; "
+                "allowed: a number in (0, 1], or null"
+            )
         self.skip = tuple(skip)
+        self.smooth = None if smooth is None else float(smooth)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(skip={list(self.skip)})"
+        return f"{type(self).__name__}(skip={list(self.skip)}, smooth={self.smooth})"
 
     @classmethod
     def method_name(cls) -> str:
@@ -72,12 +87,13 @@ class FlashRLQuantConfig(QuantizationConfig):
             raise ValueError(
                 f"{cls.__name__} got quant_method={method!r}; expected {cls.method_name()!r}"
             )
-        unknown = sorted(set(config) - {"quant_method", "skip"})
+        unknown = sorted(set(config) - {"quant_method", "skip", "smooth"})
         if unknown:
             raise ValueError(
-                f"unknown key(s) {', '.join(unknown)} in the {method} quantization_config; allowed: skip"
+                f"unknown key(s) {', '.join(unknown)} in the {method} quantization_config; "
+                "allowed: skip, smooth"
             )
-        return cls(skip=config.get("skip", DEFAULT_SKIP))
+        return cls(skip=config.get("skip", DEFAULT_SKIP), smooth=config.get("smooth"))
 
     def is_skipped(self, prefix: str) -> bool:
         """Whether the layer named `prefix` stays in high precision (see the class docstring)."""
@@ -103,12 +119,18 @@ class FlashRLQuantConfig(QuantizationConfig):
         if isinstance(layer, LinearBase):
             if self.is_skipped(prefix) or is_router(layer, prefix):
                 return FlashRLDenseLinearMethod()
-            return FlashRLLinearMethod(self.scheme_name)
+            return FlashRLLinearMethod(self.scheme_name, self.smooth)
         if isinstance(layer, VocabParallelEmbedding):
             return FlashRLEmbeddingMethod()
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
         if isinstance(layer, RoutedExperts) and not matches_any(prefix, self.skip):
+            if self.smooth is not None:
+                raise ConfigError(
+                    f"smooth={self.smooth:g} is not supported for MoE experts ({prefix}): experts are "
+                    "not smoothed (as in the built-in engine); drop smooth, or keep the experts in "
+                    'high precision with skip: ["*.experts"]'
+                )
             return FlashRLFusedMoEMethod(layer.moe_config, self.scheme_name)
         # Attention (no KV-cache scales) and skipped experts: vLLM's unquantized path.
         return None

@@ -23,6 +23,10 @@ fp32 matmul) everywhere.
 The GEMM is wrapped in a torch custom op, so torch.compile and CUDA graphs treat it as one opaque
 call. Embeddings, the LM head, norms and attention are left to vLLM's unquantized methods; MoE
 experts are quantized by `flashrl.vllm_backend.moe_methods` (routers stay in high precision).
+
+With online smoothing (``smooth`` in the quantization config, ``rollout.smooth``) every quantization
+of a layer first refreshes its SmoothQuant factors and encodes W * s, and the forward divides x by
+s and gathers the activation statistics (`flashrl.vllm_backend.smoothing`).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from flashrl.quant.dispatch import scaled_linear
 from flashrl.quant.gemm import check_gemm_shape
 from flashrl.quant.linear import QuantLinear
 from flashrl.quant.schemes import get_scheme
-from flashrl.vllm_backend import direct_load, kernels
+from flashrl.vllm_backend import direct_load, kernels, smoothing
 from flashrl.vllm_backend.direct_load import (
     PROCESSED_FLAG,
     clear_staging,
@@ -142,8 +146,10 @@ class FlashRLLinearMethod(LinearMethodBase):
 
     uses_meta_device = True
 
-    def __init__(self, scheme: str) -> None:
+    def __init__(self, scheme: str, smooth: float | None = None) -> None:
         self.scheme = get_scheme(scheme)
+        self.smooth = smooth
+        """SmoothQuant exponent a (None: no smoothing; `flashrl.vllm_backend.smoothing`)."""
 
     def create_weights(
         self,
@@ -194,6 +200,7 @@ class FlashRLLinearMethod(LinearMethodBase):
         start = time.perf_counter()
         clear_staging(layer)  # a full (re)load supersedes shards staged by direct loads
         weight = layer.weight.data
+        smoothing.attach(layer, self.smooth)
         # In vLLM's layerwise reload, quantize straight into the storages the layer keeps (vLLM's
         # copy-back is then a copy onto itself, which torch skips); on a first load, into new ones.
         quantized = self._quant_view(layer, None, weight, device="meta")
@@ -203,7 +210,7 @@ class FlashRLLinearMethod(LinearMethodBase):
         else:
             quantized = self._quant_view(layer, None, weight)
         try:
-            quantized.requantize_(weight)
+            smoothing.requantize(layer, quantized, weight)
         except ValueError as err:
             raise WeightError(f"{getattr(layer, 'prefix', '')}: {err}") from None
         replace_parameter(layer, "weight", quantized.weight)
@@ -310,7 +317,7 @@ class FlashRLLinearMethod(LinearMethodBase):
         }
         view = self._quant_view(layer, targets, weight)
         start = time.perf_counter()
-        view.requantize_(weight)
+        smoothing.requantize(layer, view, weight)
         kernels.refresh_kernel(getattr(layer, "flashrl_kernel_id", -1), layer)
         self._record_quantization(layer.weight.device, start)
 
@@ -320,6 +327,19 @@ class FlashRLLinearMethod(LinearMethodBase):
         scale = getattr(layer, "row_scale", None)
         if scale is None:
             scale = layer.weight_scale
+        state = smoothing.layer_smoothing(layer)
+        if state is not None:
+            return smoothing.flashrl_smoothed_linear(
+                x,
+                layer.weight,
+                scale,
+                bias,
+                state.smooth,
+                state.act_amax,
+                self.scheme.name,
+                layer.logical_widths,
+                getattr(layer, "flashrl_kernel_id", -1),
+            )
         return flashrl_scaled_linear(
             x,
             layer.weight,

@@ -207,6 +207,13 @@ class FlashRLWorkerExtension:
             if hasattr(module, "flashrl_kernel_id")
         }
 
+    def flashrl_reset_smoothing_stats(self) -> int:
+        """Start a new activation-statistics window in every smoothed layer (drops what vLLM's
+        start-up dummy forwards gathered); returns how many layers are smoothed."""
+        from flashrl.vllm_backend.smoothing import reset_statistics
+
+        return reset_statistics(self.model_runner.get_model())
+
     def flashrl_pop_requantize_stats(self) -> dict[str, float]:
         """Seconds spent re-quantizing and layers re-quantized since the last call (then reset)."""
         from flashrl.vllm_backend.quant_methods import pop_requantize_stats

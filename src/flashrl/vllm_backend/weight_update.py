@@ -24,6 +24,11 @@ FP8 KV cache: vLLM resets KV scales to 1.0 on every reload, so with an fp8 cache
 setting them again (`flashrl.vllm_backend.kv_scales`): calibrated from the new weights on the
 recent rollouts (`remember_kv`), or a fixed value. A calibrated update must carry every decoder
 parameter and the embedding (checked before anything is sent).
+
+Online smoothing (``smooth`` in the engine's config): every update refreshes each re-quantized
+layer's factors inside vLLM (`flashrl.vllm_backend.smoothing`). Building a `WeightUpdater` starts
+the first statistics window (dropping vLLM's start-up dummy forwards), so build it before the first
+``generate``; `calibrate_smoothing` gives the first step smoothed weights too.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from typing import Any
 
 import torch
 
-from flashrl.errors import ConfigError, WeightError
+from flashrl.errors import ConfigError, InputError, WeightError
 from flashrl.vllm_backend.direct_load import prechecked
 from flashrl.vllm_backend.kv_scales import KVScaleSync
 from flashrl.vllm_backend.names import TRANSFER_BACKEND
@@ -137,6 +142,39 @@ class WeightUpdater:
         llm.init_weight_transfer_engine({"init_info": {}})
         self.kv = KVScaleSync(llm, kv_scale)
         self.kv_start_s = self.kv.start()
+        self.smoothed_layers = max(llm.collective_rpc("flashrl_reset_smoothing_stats"))
+        """Layers vLLM smooths (per worker; 0 without ``smooth``)."""
+        self.smoothing_pending = bool(self.smoothed_layers) and self.kv.load_format != "dummy"
+        """Whether `calibrate_smoothing` still applies: smoothing on, checkpoint weights, no update yet."""
+
+    def calibrate_smoothing(self, sequences: Iterable[Iterable[int]]) -> float:
+        """The built-in engine's first calibration, while the engine holds the checkpoint on disk: a
+        prefill over the first `CALIBRATION_PROMPTS` of `sequences` (token ids) gathers activation
+        statistics, then vLLM reloads the checkpoint (``reload_weights``), which refreshes every
+        smoothed layer's factors, and the fp8 KV scales are set again (a reload resets them, and the
+        calibrated ones now use `sequences`). Returns seconds; 0.0 when not `smoothing_pending`."""
+        if not self.smoothing_pending:
+            return 0.0
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from flashrl.model.kv_calibration import checkpoint_getter
+        from flashrl.model.smoothing import CALIBRATION_PROMPTS
+
+        start = time.perf_counter()
+        seqs = [list(s) for s in sequences][:CALIBRATION_PROMPTS]
+        if not seqs:
+            raise InputError("calibrate_smoothing needs at least one token sequence")
+        self.llm.collective_rpc("flashrl_reset_smoothing_stats")
+        prompts = [TokensPrompt(prompt_token_ids=s) for s in seqs]
+        self.llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+        self.llm.collective_rpc("reload_weights")
+        self.llm.reset_prefix_cache()
+        self.kv.apply(
+            checkpoint_getter(self.kv.model_dir) if self.kv.calibrated else None, sequences=seqs
+        )
+        self.smoothing_pending = False
+        return time.perf_counter() - start
 
     def remember_kv(self, sequences: Iterable[Iterable[int]]) -> None:
         """Add recent token sequences (prompt + response, most important first) to the fp8 KV
@@ -221,6 +259,7 @@ class WeightUpdater:
         with prechecked(t for _, t in items) if self.transport == "tensors" else nullcontext():
             self._send(chunks)
         self.version += 1
+        self.smoothing_pending = False  # the update refreshed the factors
         self.llm.finish_weight_update(weight_version=weight_version or str(self.version))
         loaded = time.perf_counter()
         kv_sequences = [list(s) for s in kv_sequences] if kv_sequences is not None else None
