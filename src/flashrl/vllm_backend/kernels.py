@@ -227,6 +227,7 @@ the state (``layer.flashrl_kernel``); this index holds it weakly, so it goes wit
 its engine). Handles come from `_next_handle`, never reused: a freed layer's handle can name no
 other layer's kernel (an ``id()`` could), it resolves to nothing."""
 _next_handle = itertools.count()
+"""Where handles come from (see `_by_handle`): a counter, so no handle is ever given twice."""
 
 
 def _int8_range_error(kernel_cls: str, dtype: torch.dtype, device: torch.device) -> float:
