@@ -16,7 +16,8 @@ only multiplies. Activations are quantized by the kernel, with the granularity o
 
 A kernel that does not quantize activations (W8A16: Marlin, the CPU AMX fp8 kernels) would change
 the scheme's numerics and is not used; neither is a kernel that fails a one-row probe. Every choice
-is logged once per scheme and engine (``flashrl`` logger, INFO), with the reason when flashrl's op is used.
+is logged once per scheme and engine (``flashrl`` logger, INFO), with the reason when flashrl's op
+is used.
 
 The kernel runs on a *shadow* module holding views of (or, where vLLM re-lays weights out, copies
 of) the layer's codes and scales, rebuilt by `KernelState.refresh` after every re-quantization; on
@@ -28,7 +29,7 @@ The call goes through flashrl's opaque custom op, so torch.compile never bakes a
 
 Ownership: a layer owns its `KernelState` (``layer.flashrl_kernel``); the custom op, which can carry
 only an integer, names it by ``layer.flashrl_kernel_id``, resolved through `_by_handle` (weak, so the
-state dies with its layer). Choices are logged once per model (`ModelState.log_once`).
+state dies with its layer). Log-once per engine: `ModelState.log_once`.
 """
 
 from __future__ import annotations
