@@ -268,10 +268,12 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
     import vllm
     from safetensors.torch import load_file
 
-    from flashrl.vllm_backend import WeightUpdater, direct_load, quant_methods
+    from flashrl.vllm_backend import WeightUpdater, direct_load
+    from flashrl.vllm_backend.model_state import state_of
 
     llm = row.llm
     model = llm.apply_model(lambda m: m)[0]
+    counters = state_of(model)  # this engine's counters (`ModelState`)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.sync_dtype]
     state = [
         (name, t.to(dtype)) for name, t in load_file(str(model_dir / "model.safetensors")).items()
@@ -302,8 +304,8 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
     before = tokens()
 
     def run(path: str) -> dict[str, float]:
-        direct_load.load_stats(reset=True)
-        quant_methods.pop_requantize_stats()
+        counters.load_stats(reset=True)
+        counters.pop_requantize_stats()
         extra: dict[str, float] = {}
         checks[0] = 0
         start = time.perf_counter()
@@ -326,7 +328,7 @@ def sync_times(row: Row, model_dir: Path, args: argparse.Namespace) -> list[dict
             llm.reset_prefix_cache()
         seconds = time.perf_counter() - start
         scans = checks[0]
-        stats, requant = direct_load.load_stats(reset=True), quant_methods.pop_requantize_stats()
+        stats, requant = counters.load_stats(reset=True), counters.pop_requantize_stats()
         if path in ("trl", "verl"):
             extra = {
                 "commit_s": stats["requantize_s"],

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from flashrl.errors import WeightError
-from flashrl.vllm_backend.direct_load import check_incoming, needs_check, prechecked
+from flashrl.vllm_backend.direct_load import check_incoming
+from flashrl.vllm_backend.model_state import ModelState
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
@@ -46,13 +47,14 @@ def test_finite_false_checks_the_type_only():
 
 
 def test_prechecked_tensors_are_not_scanned_again_and_the_mark_ends_with_the_block():
+    state = ModelState()
     checked, other = torch.randn(4), torch.randn(4)
     param, meta = torch.empty(4), torch.empty(4, device="meta")
-    assert needs_check(param, checked) and not needs_check(meta, checked)  # no scan in a dry run
-    with prechecked([checked]):
-        assert not needs_check(param, checked)
-        assert needs_check(param, other) and needs_check(param, checked[:2])  # views are scanned
-        with prechecked([other]):
-            assert not needs_check(param, other) and not needs_check(param, checked)
-        assert needs_check(param, other)
-    assert needs_check(param, checked)
+    assert state.needs_check(param, checked) and not state.needs_check(meta, checked)  # dry run
+    with state.prechecked([checked]):
+        assert not state.needs_check(param, checked)
+        assert state.needs_check(param, other) and state.needs_check(param, checked[:2])  # views
+        with state.prechecked([other]):
+            assert not state.needs_check(param, other) and not state.needs_check(param, checked)
+        assert state.needs_check(param, other)
+    assert state.needs_check(param, checked)

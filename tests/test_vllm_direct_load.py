@@ -173,7 +173,7 @@ def test_direct_load_patterns_equal_a_fresh_load(checkpoints, scheme):
         )
         assert storages(llm) == addresses, f"{scheme}/{name}: a parameter moved to a new storage"
         target = "base" if target == "perturbed" else "perturbed"
-    assert load_stats()["pending_layers"] == 0
+    assert load_stats(model)["pending_layers"] == 0
     shutdown(llm)
 
 
@@ -210,7 +210,7 @@ def test_bad_tensor_is_refused_before_the_layer_changes(checkpoints, int8_llm, b
     for part in ("q_proj", "k_proj", "v_proj"):
         key = f"model.layers.0.self_attn.{part}.weight"
         model.load_weights([(key, checkpoints["base_sd"][key])])
-    assert load_stats()["pending_layers"] == 0
+    assert load_stats(model)["pending_layers"] == 0
     assert_same(snapshot(int8_llm), before, "after completing the group")
 
 
@@ -218,7 +218,7 @@ def test_incomplete_fused_group_keeps_old_weights_and_is_reported(checkpoints, i
     model = model_of(int8_llm)
     before = snapshot(int8_llm)
     new = checkpoints["perturbed_sd"]
-    incomplete_before = load_stats()["incomplete_groups"]
+    incomplete_before = load_stats(model)["incomplete_groups"]
     for part in ("q_proj", "k_proj"):
         key = f"model.layers.1.self_attn.{part}.weight"
         model.load_weights([(key, new[key])])
@@ -226,7 +226,7 @@ def test_incomplete_fused_group_keeps_old_weights_and_is_reported(checkpoints, i
         [("model.layers.1.mlp.gate_proj.weight", new["model.layers.1.mlp.gate_proj.weight"])]
     )
     assert_same(snapshot(int8_llm), before, "after an incomplete group")
-    assert load_stats()["pending_layers"] == 2
+    assert load_stats(model)["pending_layers"] == 2
     with caplog.at_level(logging.WARNING, logger="flashrl"):
         outputs(int8_llm)
     messages = [
@@ -234,9 +234,9 @@ def test_incomplete_fused_group_keeps_old_weights_and_is_reported(checkpoints, i
     ]
     assert any("layers.1.self_attn.qkv_proj" in m and "'v'" in m for m in messages), messages
     assert any("layers.1.mlp.gate_up_proj" in m and "'1'" in m for m in messages), messages
-    assert load_stats()["incomplete_groups"] == incomplete_before + 2
+    assert load_stats(model)["incomplete_groups"] == incomplete_before + 2
     outputs(int8_llm)  # reported once per incomplete state, not at every step
-    assert load_stats()["incomplete_groups"] == incomplete_before + 2
+    assert load_stats(model)["incomplete_groups"] == incomplete_before + 2
     # Completing the groups with the old weights restores the engine exactly.
     for key in (
         "model.layers.1.self_attn.q_proj.weight",
@@ -246,7 +246,7 @@ def test_incomplete_fused_group_keeps_old_weights_and_is_reported(checkpoints, i
         "model.layers.1.mlp.up_proj.weight",
     ):
         model.load_weights([(key, checkpoints["base_sd"][key])])
-    assert load_stats()["pending_layers"] == 0
+    assert load_stats(model)["pending_layers"] == 0
     assert_same(snapshot(int8_llm), before, "after completing the groups with the old weights")
 
 

@@ -82,10 +82,9 @@ def outputs(llm):
     return results
 
 
-def test_int8_kernel_choice_follows_the_probe(base, caplog, monkeypatch):
+def test_int8_kernel_choice_follows_the_probe(base, caplog):
     """vLLM's oneDNN int8 kernel where it is exact int8 math (VNNI); flashrl's own op where it is
     not (AVX2 without VNNI: 16-bit pair sums saturate), with the reason logged."""
-    monkeypatch.setattr(kernels, "_logged", set())  # logged once per process and scheme
     with caplog.at_level(logging.INFO, logger="flashrl"):
         llm = vllm.LLM(str(base), **engine_kwargs("int8"), **LLM_ARGS)
     layer = model_of(llm).model.layers[0].self_attn.qkv_proj
@@ -144,7 +143,7 @@ def test_onednn_int8_after_in_place_requantization_equals_a_fresh_engine(
     llm = vllm.LLM(str(base), **engine_kwargs("int8"), **LLM_ARGS)
     model = model_of(llm)
     layers = [m for m in model.modules() if hasattr(m, "flashrl_kernel_id")]
-    states = [kernels._states[m.flashrl_kernel_id] for m in layers]
+    states = [m.flashrl_kernel for m in layers]
     assert {type(st.kernel).__name__ for st in states} == {"CPUInt8ScaledMMLinearKernel"}
     shadows = [(st.shadow, st.kernel.dnnl_handler) for st in states]
     pointers = [(m.weight.data_ptr(), m.weight_scale.data_ptr()) for m in layers]
@@ -167,8 +166,7 @@ def test_onednn_int8_after_in_place_requantization_equals_a_fresh_engine(
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8_channel", "fp8_block", "int8_g64"])
-def test_every_scheme_forward_is_quantlinear_up_to_rounding(base, scheme, caplog, monkeypatch):
-    monkeypatch.setattr(kernels, "_logged", set())
+def test_every_scheme_forward_is_quantlinear_up_to_rounding(base, scheme, caplog):
     with caplog.at_level(logging.INFO, logger="flashrl"):
         llm = vllm.LLM(str(base), **engine_kwargs(scheme), **LLM_ARGS)
     assert any(r.getMessage().startswith(f"flashrl_{scheme}: ") for r in caplog.records), (

@@ -208,7 +208,7 @@ def test_quantized_experts_and_every_load_path_equal_a_fresh_load(checkpoints, s
         for call in per_tensor_shuffled(checkpoints["perturbed_files"])[::-1]:
             model.load_weights(call)
         expect(fresh_perturbed, "direct, per tensor, reverse shuffled")
-        assert load_stats()["pending_layers"] == 0
+        assert load_stats(model)["pending_layers"] == 0
         WeightUpdater(llm).update_weights(checkpoints["base_sd"].items())
         expect(fresh_base, "WeightUpdater.update_weights")
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoints["perturbed"])})
@@ -253,7 +253,7 @@ def test_bad_expert_tensor_is_refused_with_the_layer_unchanged(checkpoints, int8
         with pytest.raises(WeightError, match=r"layers\.\d\.mlp\.experts"):
             model.load_weights([(name, tensor)])
     assert_same(snapshot(int8_llm), before, f"after a refused {bad} expert tensor")
-    assert load_stats()["pending_layers"] == 0
+    assert load_stats(model)["pending_layers"] == 0
 
 
 def test_incomplete_expert_keeps_old_weights_and_is_reported(checkpoints, int8_llm, caplog):
@@ -264,7 +264,7 @@ def test_incomplete_expert_keeps_old_weights_and_is_reported(checkpoints, int8_l
     assert_same(snapshot(int8_llm), before, "after gate_proj without up_proj")
     with caplog.at_level(logging.WARNING, logger="flashrl"):
         int8_llm.generate(["Hi"], vllm.SamplingParams(max_tokens=1), use_tqdm=False)
-    assert "expert 5 w3" in caplog.text and load_stats()["pending_layers"] == 1
+    assert "expert 5 w3" in caplog.text and load_stats(model)["pending_layers"] == 1
     up = gate.replace("gate_proj", "up_proj")
     model.load_weights([(up, checkpoints["perturbed_files"][up])])
     layer = moe_layers(int8_llm)["model.layers.0.mlp.experts.routed_experts"]
@@ -275,7 +275,7 @@ def test_incomplete_expert_keeps_old_weights_and_is_reported(checkpoints, int8_l
     assert layer.w13_weight[5].equal(ref.weight) and layer.w13_weight_scale[5].equal(
         ref.weight_scale
     )
-    assert load_stats()["pending_layers"] == 0
+    assert load_stats(model)["pending_layers"] == 0
     model.load_weights(
         [(gate, checkpoints["base_sd"]["model.layers.0.mlp.experts.gate_up_proj"][5, :INTER])]
     )

@@ -212,7 +212,7 @@ def run(args: argparse.Namespace, scheme: str, result: dict[str, Any]) -> None:
                     / len(engine_lp),
                     "lp_diff_initial": sum(abs(a - b) for a, b in zip(engine_lp, ref_init))
                     / len(engine_lp),
-                    "direct_load": direct_load.load_stats(),
+                    "direct_load": direct_load.load_stats(vllm_model),
                 }
             )
 

@@ -50,6 +50,8 @@ EXACT_FP32_CHUNK = 1024
 """Columns of K per fp32 matmul in the CPU int8 path: 1024 * 128 * 128 = 2^24, the largest integer
 range fp32 holds exactly (codes are in [-128, 127])."""
 _warned_reference: set[str] = set()
+"""Schemes already warned about (`_warn_reference_once`): a once-per-process warning about this
+machine (no fast CUDA kernel for the scheme), the same for every engine, so module-level."""
 
 
 class GemmArgs(NamedTuple):

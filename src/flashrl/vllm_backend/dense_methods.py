@@ -17,16 +17,9 @@ from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbed
 from vllm.platforms import current_platform
 
 from flashrl.vllm_backend import direct_load
+from flashrl.vllm_backend.model_state import ModelState
 
 logger = logging.getLogger(__name__)
-
-_embedding_loads = [0]
-"""Loads into any embedding / LM-head weight of a flashrl model in this process; an LM head whose
-packed CPU kernel predates the latest load repacks before its next use."""
-
-
-def _count_embedding_load() -> None:
-    _embedding_loads[0] += 1
 
 
 class FlashRLEmbeddingMethod(UnquantizedEmbeddingMethod):
@@ -38,27 +31,35 @@ class FlashRLEmbeddingMethod(UnquantizedEmbeddingMethod):
       embedding. `apply` repacks whenever an embedding or LM-head load happened since the pack;
     - `apply` runs eagerly before every sampling step (vLLM computes logits outside the compiled
       model), so it is where incomplete direct loads are reported (`direct_load.report_pending`).
+
+    Embedding loads are counted per model (``state.embedding_loads``): a load into another engine's
+    embedding does not repack this one's head.
     """
+
+    def __init__(self, *, state: ModelState) -> None:
+        super().__init__()
+        self.state = state
 
     def create_weights(self, layer: torch.nn.Module, *args: Any, **extra_weight_attrs: Any) -> None:
         vllm_loader = extra_weight_attrs.pop("weight_loader")
-        checked = direct_load.make_checked_loader(layer, vllm_loader, _count_embedding_load)
+        state = self.state
+        checked = direct_load.make_checked_loader(
+            layer, vllm_loader, state, state.count_embedding_load
+        )
         super().create_weights(layer, *args, weight_loader=checked, **extra_weight_attrs)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         super().process_weights_after_loading(layer)
-        layer.flashrl_packed_loads = _embedding_loads[0]
+        layer.flashrl_packed_loads = self.state.embedding_loads
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        direct_load.on_step()
-        if (
-            current_platform.is_cpu()
-            and getattr(layer, "flashrl_packed_loads", None) != _embedding_loads[0]
-        ):
+        loads = self.state.embedding_loads
+        direct_load.on_step(self.state)
+        if current_platform.is_cpu() and getattr(layer, "flashrl_packed_loads", None) != loads:
             super().process_weights_after_loading(layer)
-            layer.flashrl_packed_loads = _embedding_loads[0]
+            layer.flashrl_packed_loads = loads
             logger.info(
                 "%s: repacked the CPU LM-head kernel after a weight load",
                 getattr(layer, "prefix", "lm_head"),
@@ -70,14 +71,18 @@ class FlashRLDenseLinearMethod(UnquantizedLinearMethod):
     """Linear layers a skip list keeps in high precision: vLLM's unquantized method with validated
     loads, except on CPU, where vLLM packs the weight into a oneDNN handle and drops
     ``layer.weight`` (no direct ``load_weights`` could reach it): the weight stays a plain tensor
-    and the forward is ``F.linear``."""
+    and the forward is ``F.linear``. `state` is the model's (validated tensors)."""
+
+    def __init__(self, *, state: ModelState) -> None:
+        super().__init__()
+        self.state = state
 
     def create_weights(self, layer: torch.nn.Module, *args: Any, **extra_weight_attrs: Any) -> None:
         vllm_loader = extra_weight_attrs.pop("weight_loader")
         super().create_weights(
             layer,
             *args,
-            weight_loader=direct_load.make_checked_loader(layer, vllm_loader),
+            weight_loader=direct_load.make_checked_loader(layer, vllm_loader, self.state),
             **extra_weight_attrs,
         )
 

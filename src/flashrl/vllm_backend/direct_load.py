@@ -26,13 +26,17 @@ Every incoming tensor is checked for NaN/Inf once (`check_incoming`, one `torch.
   load: only the second call checks. A quantized layer's weight is not checked there at all: the
   quantizer takes its amax anyway and refuses NaN/Inf in the same pass (`WeightError` naming the
   layer, from `process_weights_after_loading`);
-- tensors a caller validated whole before sending (`WeightUpdater`, `prechecked`) are not checked again.
+- tensors a sender validated whole (`WeightUpdater`, marked ``prechecked`` in its chunks:
+  `ModelState.prechecked`) are not checked again.
 
 A layer whose shards never all arrive keeps its previous weights whole (never half old, half
 new). `report_pending` logs a warning per such layer naming the missing shards and counts it in
-`load_stats()["incomplete_groups"]`; flashrl's LM-head method calls it before every logits
+``load_stats(model)["incomplete_groups"]``; flashrl's LM-head method calls it before every logits
 computation, which vLLM runs eagerly, so an update that ends incomplete is reported at the next
 generation step.
+
+Counters, staged layers and validated tensors are kept per model, in the `ModelState` every loader
+here is given (`flashrl.vllm_backend.model_state`); staged tensors live on their layer.
 """
 
 from __future__ import annotations
@@ -40,47 +44,28 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from flashrl.errors import WeightError
+from flashrl.vllm_backend.model_state import ModelState, state_of
 
 logger = logging.getLogger(__name__)
 
 PROCESSED_FLAG = "_already_called_process_weights_after_loading"
 """vLLM's marker for a layer whose checkpoint tensors have been processed (quantized)."""
 
-_pending: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-_stats: dict[str, float] = {
-    "direct_tensors": 0,
-    "layers_requantized": 0,
-    "incomplete_groups": 0,
-    "requantize_s": 0.0,
-}
-_unlogged = {"layers": 0, "seconds": 0.0, "schemes": set()}
-"""Quantizations since the last `on_step` log line (any load path)."""
 
-
-def note_quantized(scheme: str, seconds: float) -> None:
-    """Record one layer quantization (any load path) for the next `on_step` log line."""
-    _unlogged["layers"] += 1
-    _unlogged["seconds"] += seconds
-    _unlogged["schemes"].add(scheme)
-
-
-def load_stats(reset: bool = False) -> dict[str, float]:
-    """Counters of direct loads in this process: ``direct_tensors`` (tensors staged),
-    ``layers_requantized`` (layers re-quantized from staged tensors), ``incomplete_groups`` (layers
-    reported with missing shards), ``requantize_s`` (seconds re-quantizing), ``pending_layers`` (layers
-    holding staged shards now). `reset` zeroes the counters after reading."""
-    stats = {**_stats, "pending_layers": float(len(_pending))}
-    if reset:
-        _stats.update(direct_tensors=0, layers_requantized=0, incomplete_groups=0, requantize_s=0.0)
-    return stats
+def load_stats(model: torch.nn.Module, reset: bool = False) -> dict[str, float]:
+    """Counters of direct loads into the vLLM `model` (`ModelState.load_stats`): ``direct_tensors``
+    (tensors staged), ``layers_requantized`` (layers re-quantized from staged tensors),
+    ``incomplete_groups`` (layers reported with missing shards), ``requantize_s`` (seconds
+    re-quantizing), ``pending_layers`` (layers holding staged shards now). `reset` zeroes the
+    counters after reading. From outside the worker: ``llm.collective_rpc("flashrl_load_stats")``."""
+    return state_of(model).load_stats(reset)
 
 
 def check_incoming(tensor: Any, name: str, finite: bool = True) -> None:
@@ -110,35 +95,9 @@ def check_incoming(tensor: Any, name: str, finite: bool = True) -> None:
         )
 
 
-_prechecked: dict[int, torch.Tensor] = {}
-"""Tensors the caller has validated whole for the load in progress (id -> the tensor, held so
-that ids stay unique); see `prechecked`."""
-
-
-@contextmanager
-def prechecked(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
-    """Within the block, loaders skip `check_incoming` for exactly these tensor objects (the
-    caller checked them, e.g. `WeightUpdater` before sending anything). Views or copies of them are
-    checked as usual."""
-    saved = dict(_prechecked)
-    _prechecked.update({id(t): t for t in tensors})
-    try:
-        yield
-    finally:
-        _prechecked.clear()
-        _prechecked.update(saved)
-
-
-def needs_check(param: torch.Tensor, tensor: Any) -> bool:
-    """Whether a loader call must check `tensor` for NaN/Inf: not in vLLM's element-counting dry
-    run (a meta `param`: the same tensor comes back with the materialized parameter), not for
-    `prechecked` tensors."""
-    return not param.is_meta and _prechecked.get(id(tensor)) is not tensor
-
-
-def _check_loaded(param: torch.Tensor, tensor: Any, name: str) -> None:
-    """`check_incoming` for a loader call: the finiteness pass only where `needs_check`."""
-    check_incoming(tensor, name, finite=needs_check(param, tensor))
+def _check_loaded(state: ModelState, param: torch.Tensor, tensor: Any, name: str) -> None:
+    """`check_incoming` for a loader call: the finiteness pass only where `state.needs_check`."""
+    check_incoming(tensor, name, finite=state.needs_check(param, tensor))
 
 
 def shard_ids(layer: torch.nn.Module) -> tuple[Any, ...]:
@@ -182,11 +141,13 @@ def make_weight_loader(
     vllm_loader: Callable,
     new_staging_weight: Callable[[torch.nn.Module], torch.Tensor],
     requantize: Callable[[torch.nn.Module, torch.Tensor], None],
+    state: ModelState,
 ) -> Callable:
     """The ``weight_loader`` of a flashrl-quantized layer's weight (see the module docstring).
 
     `new_staging_weight(layer)` makes a checkpoint-format parameter vLLM's loader can fill;
-    `requantize(layer, weight)` re-quantizes the layer in place from a complete staged weight.
+    `requantize(layer, weight)` re-quantizes the layer in place from a complete staged weight;
+    `state` is the model's (counters, staged layers, validated tensors).
     """
     layer_ref = weakref.ref(layer)
 
@@ -200,29 +161,29 @@ def make_weight_loader(
             # its own amax pass (process_weights_after_loading), so no finiteness pass here.
             check_incoming(loaded_weight, _name(owner, "weight", loaded_shard_id), finite=False)
             return _call_loader(vllm_loader, param, loaded_weight, loaded_shard_id)
-        _check_loaded(param, loaded_weight, _name(owner, "weight", loaded_shard_id))
+        _check_loaded(state, param, loaded_weight, _name(owner, "weight", loaded_shard_id))
         staging = getattr(owner, "_flashrl_staging", None)
         if staging is None:
             staging = Staging(weight=new_staging_weight(owner))
             owner._flashrl_staging = staging
-            _pending.add(owner)
+            state.pending.add(owner)
         _call_loader(vllm_loader, staging.weight, loaded_weight, loaded_shard_id)
         staging.arrived |= _arrived_shards(owner, loaded_shard_id)
         staging.reported = False
-        _stats["direct_tensors"] += 1
+        state.count_direct_tensor()
         if staging.arrived >= set(shard_ids(owner)):
             start = time.perf_counter()
             requantize(owner, staging.weight.data)
             if staging.bias is not None:
                 owner.bias.data.copy_(staging.bias)
-            clear_staging(owner)
-            count_requantized(time.perf_counter() - start)
+            clear_staging(owner, state)
+            state.count_requantized(time.perf_counter() - start)
         return None
 
     return weight_loader
 
 
-def make_bias_loader(layer: torch.nn.Module, vllm_loader: Callable) -> Callable:
+def make_bias_loader(layer: torch.nn.Module, vllm_loader: Callable, state: ModelState) -> Callable:
     """The ``weight_loader`` of a flashrl-quantized layer's bias: validated, and staged with the
     weight while the layer waits for weight shards (written with them), else loaded in place."""
     layer_ref = weakref.ref(layer)
@@ -232,7 +193,7 @@ def make_bias_loader(layer: torch.nn.Module, vllm_loader: Callable) -> Callable:
     ) -> Any:
         owner = layer_ref()
         assert owner is not None, "bias loader of a freed layer"
-        _check_loaded(param, loaded_weight, _name(owner, "bias", loaded_shard_id))
+        _check_loaded(state, param, loaded_weight, _name(owner, "bias", loaded_shard_id))
         staging = getattr(owner, "_flashrl_staging", None)
         if param.is_meta or staging is None or not getattr(owner, PROCESSED_FLAG, False):
             return _call_loader(vllm_loader, param, loaded_weight, loaded_shard_id)
@@ -247,7 +208,10 @@ def make_bias_loader(layer: torch.nn.Module, vllm_loader: Callable) -> Callable:
 
 
 def make_checked_loader(
-    layer: torch.nn.Module, vllm_loader: Callable, on_loaded: Callable[[], None] | None = None
+    layer: torch.nn.Module,
+    vllm_loader: Callable,
+    state: ModelState,
+    on_loaded: Callable[[], None] | None = None,
 ) -> Callable:
     """A ``weight_loader`` for layers flashrl keeps in high precision (embeddings, LM head, skipped
     linears): validates the tensor, runs vLLM's loader, then calls `on_loaded` (real loads only).
@@ -263,7 +227,7 @@ def make_checked_loader(
     ) -> Any:
         owner = layer_ref()
         assert owner is not None, "weight loader of a freed layer"
-        _check_loaded(param, loaded_weight, _name(owner, "weight", loaded_shard_id))
+        _check_loaded(state, param, loaded_weight, _name(owner, "weight", loaded_shard_id))
         kept = kept_weight(owner, param)
         if kept is not None:  # vLLM's copy-back is then a copy onto itself, which torch skips
             owner.weight = param = kept
@@ -292,51 +256,38 @@ def kept_weight(layer: torch.nn.Module, param: torch.Tensor) -> torch.nn.Paramet
     return kept
 
 
-def mark_pending(layer: torch.nn.Module) -> None:
-    """Record that `layer` holds staged tensors in ``layer._flashrl_staging`` (`report_pending`
-    asks a staging object with a ``missing()`` method what is missing; `moe_methods` uses it)."""
-    _pending.add(layer)
-
-
-def count_direct_tensor() -> None:
-    """Count one tensor staged by a direct load (``direct_tensors``)."""
-    _stats["direct_tensors"] += 1
-
-
-def count_requantized(seconds: float) -> None:
-    """Count one group re-quantized from staged tensors (``layers_requantized``,
-    ``requantize_s``)."""
-    _stats["layers_requantized"] += 1
-    _stats["requantize_s"] += seconds
-
-
-def clear_staging(layer: torch.nn.Module) -> None:
-    """Drop `layer`'s staged tensors (once re-quantized, or when a full reload supersedes them)."""
+def clear_staging(layer: torch.nn.Module, state: ModelState) -> None:
+    """Drop `layer`'s staged tensors (once re-quantized, or when a full reload supersedes them).
+    A layer holding staged tensors is in ``state.pending`` (`report_pending` asks a staging object
+    with a ``missing()`` method what is missing; `moe_loading` stages that way)."""
     if getattr(layer, "_flashrl_staging", None) is not None:
         layer._flashrl_staging = None
-    _pending.discard(layer)
+    state.pending.discard(layer)
 
 
-def on_step() -> int:
-    """Called before every logits computation: logs the quantizations done since the last call (one
-    INFO line per weight update) and reports incomplete groups (`report_pending`)."""
-    if _unlogged["layers"]:
+def on_step(state: ModelState) -> int:
+    """Called before every logits computation of the model `state` belongs to: logs the
+    quantizations done since the last call (one INFO line per weight update) and reports incomplete
+    groups (`report_pending`)."""
+    unlogged = state.unlogged
+    if unlogged["layers"]:
         logger.info(
             "re-quantized %d linear layers (%s) in %.3f s",
-            _unlogged["layers"],
-            ", ".join(sorted(_unlogged["schemes"])),
-            _unlogged["seconds"],
+            unlogged["layers"],
+            ", ".join(sorted(unlogged["schemes"])),
+            unlogged["seconds"],
         )
-        _unlogged.update(layers=0, seconds=0.0, schemes=set())
-    return report_pending()
+        unlogged.update(layers=0, seconds=0.0, schemes=set())
+    return report_pending(state)
 
 
-def report_pending() -> int:
-    """Warn once per layer whose staged group is still incomplete (naming the missing shards) and
-    count it in ``incomplete_groups``; returns the number of such layers. Cheap when none."""
-    if not _pending:
+def report_pending(state: ModelState) -> int:
+    """Warn once per layer of `state`'s model whose staged group is still incomplete (naming the
+    missing shards) and count it in ``incomplete_groups``; returns the number of such layers. Cheap
+    when none."""
+    if not state.pending:
         return 0
-    for layer in list(_pending):
+    for layer in list(state.pending):
         staging = layer._flashrl_staging
         if staging is None or staging.reported:
             continue
@@ -352,5 +303,5 @@ def report_pending() -> int:
             [str(s) for s in missing],
         )
         staging.reported = True
-        _stats["incomplete_groups"] += 1
-    return len(_pending)
+        state.direct["incomplete_groups"] += 1
+    return len(state.pending)

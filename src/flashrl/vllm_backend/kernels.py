@@ -16,7 +16,8 @@ only multiplies. Activations are quantized by the kernel, with the granularity o
 
 A kernel that does not quantize activations (W8A16: Marlin, the CPU AMX fp8 kernels) would change
 the scheme's numerics and is not used; neither is a kernel that fails a one-row probe. Every choice
-is logged once per scheme (``flashrl`` logger, INFO), with the reason when flashrl's op is used.
+is logged once per scheme and engine (``flashrl`` logger, INFO), with the reason when flashrl's op
+is used.
 
 The kernel runs on a *shadow* module holding views of (or, where vLLM re-lays weights out, copies
 of) the layer's codes and scales, rebuilt by `KernelState.refresh` after every re-quantization; on
@@ -25,16 +26,23 @@ vLLM-CPU's oneDNN int8 kernel is refreshed more cheaply (`KernelState._repack_on
 reads the weight scales through the pointer it was built with, so in-place scales need nothing, and
 holds its own reordered copy of the codes, so only a new handle over the same storages is made.
 The call goes through flashrl's opaque custom op, so torch.compile never bakes a kernel handle in.
+
+Ownership: a layer owns its `KernelState` (``layer.flashrl_kernel``); the custom op, which can carry
+only an integer, names it by ``layer.flashrl_kernel_id``, resolved through `_by_handle` (weak, so the
+state dies with its layer). Log-once per engine: `ModelState.log_once`.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from flashrl.vllm_backend.model_state import ModelState
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +56,10 @@ W8A16_KERNELS = frozenset(
 )
 """vLLM kernels that keep activations in high precision: not the scheme flashrl promises."""
 
-_states: dict[int, KernelState] = {}
-_ids = itertools.count()
-_logged: set[tuple[str, str]] = set()
 
-
-def _log_choice(scheme: str, choice: str, reason: str = "") -> None:
-    if (scheme, choice) in _logged:
+def _log_choice(state: ModelState, scheme: str, choice: str, reason: str = "") -> None:
+    if not state.log_once((scheme, choice)):
         return
-    _logged.add((scheme, choice))
     if reason:
         logger.info("flashrl_%s: %s (%s)", scheme, choice, reason)
     else:
@@ -109,6 +112,8 @@ class KernelState:
     shadow: torch.nn.Module | None = None
     codes_ptr: int = 0
     """``data_ptr()`` of the layer codes the shadow was built from."""
+    handle: int = -1
+    """The integer flashrl's custom op passes for this kernel (`register`); -1 until registered."""
 
     def _build_shadow(self, layer: Any) -> torch.nn.Module:
         shadow = torch.nn.Module()
@@ -212,6 +217,18 @@ on `_int8_range_error`'s codes: its u8 x s8 dot products (vpmaddubsw) saturate 1
 once weight codes exceed 64 in magnitude. flashrl's exact op is used there."""
 
 _range_errors: dict[tuple[str, torch.dtype, str], float] = {}
+"""A cache of a machine fact, hence module-level: `_int8_range_error` per (kernel class, dtype,
+device type). The answer depends only on the kernel's arithmetic on this CPU / GPU, never on an
+engine or its weights, so every engine of the process shares it."""
+
+_by_handle: weakref.WeakValueDictionary[int, KernelState] = weakref.WeakValueDictionary()
+"""Not state but an index, hence module-level: a torch custom op takes no Python object, so
+`flashrl_scaled_linear` carries an integer handle and looks its `KernelState` up here. The layer owns
+the state (``layer.flashrl_kernel``); this index holds it weakly, so it goes with its layer (and
+its engine). Handles come from `_next_handle`, never reused: a freed layer's handle can name no
+other layer's kernel (an ``id()`` could), it resolves to nothing."""
+_next_handle = itertools.count()
+"""Where handles come from (see `_by_handle`): a counter, so no handle is ever given twice."""
 
 
 def _int8_range_error(kernel_cls: str, dtype: torch.dtype, device: torch.device) -> float:
@@ -273,58 +290,86 @@ def _probe_error(
     return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def attach_kernel(scheme: str, layer: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Bind a vLLM kernel to `layer` (already quantized) if vLLM has a usable one; returns the id the
-    custom op passes (-1: flashrl's own op). Logs the choice once per scheme."""
+def attach_kernel(
+    scheme: str, layer: Any, dtype: torch.dtype, state: ModelState
+) -> KernelState | None:
+    """A vLLM kernel bound to `layer` (already quantized; the layer or its persistent tensors) if
+    vLLM has a usable one, registered (`KernelState.handle`); None: flashrl's own op. The caller's
+    layer must own the result (``layer.flashrl_kernel``). Logs the choice once per scheme and model
+    (`state`)."""
     try:
         kernel = _new_kernel(scheme, layer, dtype)
     except (ValueError, NotImplementedError, ImportError) as err:
         _log_choice(
-            scheme, "flashrl's scaled-mm op", f"vLLM has no kernel here: {str(err).splitlines()[0]}"
+            state,
+            scheme,
+            "flashrl's scaled-mm op",
+            f"vLLM has no kernel here: {str(err).splitlines()[0]}",
         )
-        return -1
+        return None
     name = type(kernel).__name__
     if name in W8A16_KERNELS or getattr(kernel, "apply_input_quant", True) is False:
         _log_choice(
-            scheme, "flashrl's scaled-mm op", f"vLLM's {name} keeps activations in high precision"
+            state,
+            scheme,
+            "flashrl's scaled-mm op",
+            f"vLLM's {name} keeps activations in high precision",
         )
-        return -1
-    state = KernelState(kernel, scheme)
+        return None
+    bound = KernelState(kernel, scheme)
     try:
-        state.refresh(layer)
-        error = _probe_error(state, scheme, layer, dtype)
+        bound.refresh(layer)
+        error = _probe_error(bound, scheme, layer, dtype)
         if scheme == "int8":
             error = max(error, _int8_range_error(name, dtype, layer.weight.device))
     except Exception as err:  # a kernel vLLM selects but cannot run here (e.g. a CPU stub op)
         _log_choice(
+            state,
             scheme,
             "flashrl's scaled-mm op",
             f"vLLM's {name} failed a probe: {str(err).splitlines()[0]}",
         )
-        return -1
+        return None
     if error > (PROBE_TOLERANCE_INT8 if scheme == "int8" else PROBE_TOLERANCE):
         _log_choice(
+            state,
             scheme,
             "flashrl's scaled-mm op",
             f"vLLM's {name} disagrees with the scheme's math (relative error {error:.3g} on a probe)",
         )
-        return -1
-    _log_choice(scheme, f"vLLM's {name}")
-    kernel_id = next(_ids)
-    _states[kernel_id] = state
-    return kernel_id
+        return None
+    _log_choice(state, scheme, f"vLLM's {name}")
+    return register(bound)
+
+
+def register(kernel: KernelState) -> KernelState:
+    """Give `kernel` a fresh handle (`KernelState.handle`) that resolves to it while it lives."""
+    kernel.handle = next(_next_handle)
+    _by_handle[kernel.handle] = kernel
+    return kernel
+
+
+def handle_of(kernel: KernelState | None) -> int:
+    """The handle the custom op passes for `kernel`: -1 (flashrl's own op) for None."""
+    return -1 if kernel is None else kernel.handle
+
+
+def lookup(kernel_id: int) -> KernelState:
+    """The live `KernelState` behind a handle (`KeyError` once its layer is gone)."""
+    return _by_handle[kernel_id]
 
 
 def refresh_kernel(kernel_id: int, layer: Any) -> None:
     """After `layer` was re-quantized in place: let its vLLM kernel see the new codes and scales."""
     if kernel_id >= 0:
-        _states[kernel_id].refresh(layer)
+        lookup(kernel_id).refresh(layer)
 
 
 def run_kernel(kernel_id: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _states[kernel_id].apply(x, bias)
+    """The custom op's call into the vLLM kernel behind `kernel_id`."""
+    return lookup(kernel_id).apply(x, bias)
 
 
 def kernel_name(kernel_id: int) -> str:
     """The vLLM kernel class behind `kernel_id`, or ``flashrl`` for flashrl's own op."""
-    return type(_states[kernel_id].kernel).__name__ if kernel_id >= 0 else "flashrl"
+    return type(lookup(kernel_id).kernel).__name__ if kernel_id >= 0 else "flashrl"

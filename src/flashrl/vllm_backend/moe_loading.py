@@ -21,6 +21,7 @@ import torch
 
 from flashrl.errors import WeightError
 from flashrl.vllm_backend import direct_load
+from flashrl.vllm_backend.model_state import ModelState
 
 PARTS: dict[str, tuple[str, ...]] = {"w13": ("w1", "w3"), "w2": ("w2",)}
 """vLLM's shard ids of each stacked expert weight: gate (w1) and up (w3) rows of w13; down (w2)."""
@@ -47,23 +48,20 @@ class ExpertStaging:
         ]
 
 
-_checked_base: list[Any] = [None, -1]
-"""The fused tensor last validated whole (weak reference, version): vLLM hands a fused [E, ...]
-tensor to the loader one expert at a time, as views of it."""
-
-
-def check_expert_tensor(tensor: Any, what: str, finite: bool = True) -> None:
+def check_expert_tensor(tensor: Any, what: str, state: ModelState, finite: bool = True) -> None:
     """`direct_load.check_incoming` on the tensor and, once, on the fused tensor it is a view of,
     so that a NaN anywhere in a fused expert tensor is refused before any expert changes
-    (`finite=False`: the type checks only)."""
+    (`finite=False`: the type checks only). vLLM hands a fused [E, ...] tensor to the loader one
+    expert at a time, as views of it: ``state.checked_base`` remembers the fused tensor last
+    validated whole (weakly, with its version)."""
     base = getattr(tensor, "_base", None)
     if finite and isinstance(base, torch.Tensor) and base.is_floating_point() and not base.is_meta:
-        ref = _checked_base[0]
-        if ref is None or ref() is not base or _checked_base[1] != base._version:
+        ref, version = state.checked_base
+        if ref is None or ref() is not base or version != base._version:
             direct_load.check_incoming(
                 base, f"{what}, in a fused tensor of shape {tuple(base.shape)}"
             )
-            _checked_base[:] = [weakref.ref(base), base._version]
+            state.checked_base = (weakref.ref(base), base._version)
     direct_load.check_incoming(tensor, what, finite=finite)
 
 
@@ -71,8 +69,10 @@ def make_expert_loader(layer: torch.nn.Module, vllm_loader: Callable, method: An
     """The ``weight_loader`` of a flashrl-quantized MoE layer's ``w13_weight`` / ``w2_weight``:
     validates every tensor; passes it to vLLM's loader while the layer holds checkpoint-format
     tensors; once the layer is quantized, stages it per expert and re-quantizes that expert's part
-    in place with ``method.requantize_expert(layer, part, expert, weight)`` when its shards are complete."""
+    in place with ``method.requantize_expert(layer, part, expert, weight)`` when its shards are complete.
+    Counters and validated tensors are the model's (``method.state``)."""
     layer_ref = weakref.ref(layer)
+    state: ModelState = method.state
 
     def weight_loader(
         param: torch.Tensor,
@@ -89,8 +89,9 @@ def make_expert_loader(layer: torch.nn.Module, vllm_loader: Callable, method: An
         check_expert_tensor(
             loaded_weight,
             what,
-            finite=direct_load.needs_check(param, loaded_weight)
-            and (base is None or direct_load.needs_check(param, base)),
+            state,
+            finite=state.needs_check(param, loaded_weight)
+            and (base is None or state.needs_check(param, base)),
         )
         if param.is_meta or not getattr(owner, direct_load.PROCESSED_FLAG, False):
             return vllm_loader(
@@ -114,12 +115,12 @@ def stage(
 ) -> None:
     """Load one expert tensor (`args`: vLLM's loader arguments after ``param``) into the layer's
     staging buffer for (part, `local` expert) and re-quantize the part once all its shards arrived."""
-    shard_id = args[2]
+    shard_id, state = args[2], method.state
     part = "w2" if shard_id == "w2" else "w13"
     staging = getattr(layer, "_flashrl_staging", None)
     if staging is None:
         staging = layer._flashrl_staging = ExpertStaging()
-        direct_load.mark_pending(layer)
+        state.pending.add(layer)
     key, shape = (part, local), getattr(layer, f"{part}_weight").shape
     if key not in staging.buffers:
         staging.buffers[key] = torch.empty(
@@ -130,11 +131,11 @@ def stage(
     vllm_loader(staging.buffers[key].unsqueeze(0).expand(shape[0], -1, -1), *args, True)
     staging.shards[key].add(shard_id)
     staging.reported = False
-    direct_load.count_direct_tensor()
+    state.count_direct_tensor()
     if staging.shards[key] >= set(PARTS[part]):
         start = time.perf_counter()
         method.requantize_expert(layer, part, local, staging.buffers.pop(key))
         del staging.shards[key]
-        direct_load.count_requantized(time.perf_counter() - start)
+        state.count_requantized(time.perf_counter() - start)
         if not staging.buffers:
-            direct_load.clear_staging(layer)
+            direct_load.clear_staging(layer, state)

@@ -42,18 +42,10 @@ from flashrl.quant.gemm import check_gemm_shape
 from flashrl.quant.linear import QuantLinear
 from flashrl.quant.schemes import QuantScheme, get_scheme
 from flashrl.vllm_backend import direct_load
+from flashrl.vllm_backend.model_state import ModelState
 from flashrl.vllm_backend.moe_loading import PARTS, make_expert_loader
 
 logger = logging.getLogger(__name__)
-
-_expert_stats = {"requantize_s": 0.0, "layers_requantized": 0}
-
-
-def pop_expert_stats() -> dict[str, float]:
-    """Seconds quantizing experts and MoE layers (re)quantized since the last call; resets both."""
-    stats = dict(_expert_stats)
-    _expert_stats.update(requantize_s=0.0, layers_requantized=0)
-    return stats
 
 
 def is_router(layer: torch.nn.Module, prefix: str) -> bool:
@@ -97,11 +89,14 @@ def stacked_tensors(
 
 
 class FlashRLFusedMoEMethod(OnlineMoEMethodBase):
-    """bf16 experts in, flashrl codes and scales out (see the module docstring for the layout)."""
+    """bf16 experts in, flashrl codes and scales out (see the module docstring for the layout).
+    `state` is the model's (`flashrl.vllm_backend.model_state`): MoE layers count as layers in
+    its ``requantize_s`` / ``layers_requantized``."""
 
-    def __init__(self, moe: Any, scheme: str) -> None:
+    def __init__(self, moe: Any, scheme: str, *, state: ModelState) -> None:
         super().__init__(moe)
         self.scheme = get_scheme(scheme)
+        self.state = state
 
     def create_weights(
         self,
@@ -142,7 +137,7 @@ class FlashRLFusedMoEMethod(OnlineMoEMethodBase):
         if getattr(layer, direct_load.PROCESSED_FLAG, False):
             return
         start = time.perf_counter()
-        direct_load.clear_staging(layer)  # a full (re)load supersedes staged experts
+        direct_load.clear_staging(layer, self.state)  # a full (re)load supersedes staged experts
         old, complete = self.partial_reload(layer)
         for part in PARTS:
             weight = getattr(layer, f"{part}_weight").data
@@ -198,10 +193,7 @@ class FlashRLFusedMoEMethod(OnlineMoEMethodBase):
         """Count one MoE layer (re)quantization that began at `start`."""
         if layer.w13_weight.device.type == "cuda":
             torch.cuda.synchronize(layer.w13_weight.device)
-        seconds = time.perf_counter() - start
-        _expert_stats["requantize_s"] += seconds
-        _expert_stats["layers_requantized"] += 1
-        direct_load.note_quantized(self.scheme.name, seconds)
+        self.state.note_quantized(self.scheme.name, time.perf_counter() - start)
 
     @torch.no_grad()
     def requantize_expert(

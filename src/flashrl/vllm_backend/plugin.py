@@ -28,6 +28,9 @@ from flashrl.vllm_backend.names import TRANSFER_BACKEND
 logger = logging.getLogger(__name__)
 
 _registered = False
+"""Process-wide on purpose: what `register` changes (vLLM's quantization and transfer registries,
+``EngineArgs``, the ``flashrl`` logger) exists once per process and is shared by every engine in it,
+so "already done" is a fact about the process, not about an engine."""
 ENV_HOOK_MARKER = "__flashrl_env_hook__"
 
 

@@ -4,6 +4,9 @@ method each layer gets. Linear layers get
 `FlashRLLinearMethod` (`flashrl.vllm_backend.quant_methods`), skipped linears and routers the
 high-precision `FlashRLDenseLinearMethod`, embeddings `FlashRLEmbeddingMethod`, routed experts
 `FlashRLFusedMoEMethod`. The plugin (`flashrl.vllm_backend.plugin`) registers `CONFIG_CLASSES`.
+
+vLLM makes one config per engine, so the config is where the engine's `ModelState` is made: every
+method it returns shares it (`flashrl.vllm_backend.model_state`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 from flashrl.errors import ConfigError
 from flashrl.quant.linear import DEFAULT_SKIP, matches_any
 from flashrl.vllm_backend.dense_methods import FlashRLDenseLinearMethod, FlashRLEmbeddingMethod
+from flashrl.vllm_backend.model_state import ModelState
 from flashrl.vllm_backend.moe_methods import FlashRLFusedMoEMethod, is_router
 from flashrl.vllm_backend.names import METHOD_NAMES
 from flashrl.vllm_backend.quant_methods import FlashRLLinearMethod
@@ -57,6 +61,8 @@ class FlashRLQuantConfig(QuantizationConfig):
             )
         self.skip = tuple(skip)
         self.smooth = None if smooth is None else float(smooth)
+        self.state = ModelState()
+        """Shared by every method this config makes: one model's counters and staged layers."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(skip={list(self.skip)}, smooth={self.smooth})"
@@ -118,10 +124,10 @@ class FlashRLQuantConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, LinearBase):
             if self.is_skipped(prefix) or is_router(layer, prefix):
-                return FlashRLDenseLinearMethod()
-            return FlashRLLinearMethod(self.scheme_name, self.smooth)
+                return FlashRLDenseLinearMethod(state=self.state)
+            return FlashRLLinearMethod(self.scheme_name, self.smooth, state=self.state)
         if isinstance(layer, VocabParallelEmbedding):
-            return FlashRLEmbeddingMethod()
+            return FlashRLEmbeddingMethod(state=self.state)
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
         if isinstance(layer, RoutedExperts) and not matches_any(prefix, self.skip):
@@ -131,7 +137,7 @@ class FlashRLQuantConfig(QuantizationConfig):
                     "not smoothed (as in the built-in engine); drop smooth, or keep the experts in "
                     'high precision with skip: ["*.experts"]'
                 )
-            return FlashRLFusedMoEMethod(layer.moe_config, self.scheme_name)
+            return FlashRLFusedMoEMethod(layer.moe_config, self.scheme_name, state=self.state)
         # Attention (no KV-cache scales) and skipped experts: vLLM's unquantized path.
         return None
 

@@ -48,14 +48,14 @@ from flashrl.quant.dispatch import scaled_linear
 from flashrl.quant.gemm import check_gemm_shape
 from flashrl.quant.linear import QuantLinear
 from flashrl.quant.schemes import get_scheme
-from flashrl.vllm_backend import direct_load, kernels, smoothing
+from flashrl.vllm_backend import kernels, smoothing
 from flashrl.vllm_backend.direct_load import (
     PROCESSED_FLAG,
     clear_staging,
     make_bias_loader,
     make_weight_loader,
 )
-from flashrl.vllm_backend.moe_methods import pop_expert_stats
+from flashrl.vllm_backend.model_state import ModelState
 
 logger = logging.getLogger(__name__)
 
@@ -63,22 +63,6 @@ _PROCESSED_FLAG = PROCESSED_FLAG
 """vLLM's marker for "already quantized": the loader calls `process_weights_after_loading` once
 per layer during layerwise loading and once more in its final pass; layerwise reload deletes the
 marker so the next reload quantizes again; a direct ``load_weights`` sees it set and stages."""
-
-
-# ------------------------------------------------------------------------------------------------
-# requantization statistics (per process; read by the worker extension after a weight update)
-# ------------------------------------------------------------------------------------------------
-
-_requantize_stats = {"requantize_s": 0.0, "layers_requantized": 0}
-
-
-def pop_requantize_stats() -> dict[str, float]:
-    """Seconds spent quantizing and the number of layers quantized since the last call; resets both."""
-    stats = dict(_requantize_stats)
-    _requantize_stats.update(requantize_s=0.0, layers_requantized=0)
-    for key, value in pop_expert_stats().items():  # MoE layers count as layers
-        stats[key] += value
-    return stats
 
 
 # ------------------------------------------------------------------------------------------------
@@ -141,15 +125,18 @@ class FlashRLLinearMethod(LinearMethodBase):
 
     Layer tensors after loading: ``weight`` (codes [N, K], int8 or float8_e4m3fn), ``weight_scale``
     (fp32, `QuantLinear`'s layout) and, for per-tensor fp8 over several shards, ``row_scale`` [N]
-    (the per-row expansion the GEMM reads).
+    (the per-row expansion the GEMM reads), ``flashrl_kernel`` (its vLLM kernel, or None) and
+    ``flashrl_kernel_id`` (the handle the GEMM op passes). `state` is the model's
+    (`flashrl.vllm_backend.model_state`: counters, staged layers, validated tensors).
     """
 
     uses_meta_device = True
 
-    def __init__(self, scheme: str, smooth: float | None = None) -> None:
+    def __init__(self, scheme: str, smooth: float | None = None, *, state: ModelState) -> None:
         self.scheme = get_scheme(scheme)
         self.smooth = smooth
         """SmoothQuant exponent a (None: no smoothing; `flashrl.vllm_backend.smoothing`)."""
+        self.state = state
 
     def create_weights(
         self,
@@ -185,7 +172,7 @@ class FlashRLLinearMethod(LinearMethodBase):
             input_dim=1,
             output_dim=0,
             weight_loader=make_weight_loader(
-                layer, vllm_loader, self._staging_weight, self._requantize_in_place
+                layer, vllm_loader, self._staging_weight, self._requantize_in_place, self.state
             ),
         )
         layer.register_parameter("weight", weight)
@@ -198,7 +185,7 @@ class FlashRLLinearMethod(LinearMethodBase):
         if getattr(layer, _PROCESSED_FLAG, False):
             return
         start = time.perf_counter()
-        clear_staging(layer)  # a full (re)load supersedes shards staged by direct loads
+        clear_staging(layer, self.state)  # a full (re)load supersedes shards staged by direct loads
         weight = layer.weight.data
         smoothing.attach(layer, self.smooth)
         # In vLLM's layerwise reload, quantize straight into the storages the layer keeps (vLLM's
@@ -219,7 +206,7 @@ class FlashRLLinearMethod(LinearMethodBase):
             replace_parameter(layer, "row_scale", quantized.row_scale)
         bias = getattr(layer, "bias", None)
         if isinstance(bias, torch.nn.Parameter) and not getattr(bias, "flashrl_loader", False):
-            bias.weight_loader = make_bias_loader(layer, bias.weight_loader)
+            bias.weight_loader = make_bias_loader(layer, bias.weight_loader, self.state)
             bias.flashrl_loader = True
         self._bind_kernel(layer)
         setattr(layer, _PROCESSED_FLAG, True)
@@ -229,10 +216,7 @@ class FlashRLLinearMethod(LinearMethodBase):
         """Count one layer quantization that began at `start` (per-update stats and the log line)."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - start
-        _requantize_stats["requantize_s"] += seconds
-        _requantize_stats["layers_requantized"] += 1
-        direct_load.note_quantized(self.scheme.name, seconds)
+        self.state.note_quantized(self.scheme.name, time.perf_counter() - start)
 
     def _bind_kernel(self, layer: torch.nn.Module) -> None:
         """Point the layer's vLLM kernel (`flashrl.vllm_backend.kernels`) at the tensors that persist.
@@ -261,9 +245,10 @@ class FlashRLLinearMethod(LinearMethodBase):
                 output_size_per_partition=layer.output_size_per_partition,
             )
         if not hasattr(layer, "flashrl_kernel_id"):
-            layer.flashrl_kernel_id = kernels.attach_kernel(
-                self.scheme.name, source, layer.flashrl_params_dtype
+            layer.flashrl_kernel = kernels.attach_kernel(
+                self.scheme.name, source, layer.flashrl_params_dtype, self.state
             )
+            layer.flashrl_kernel_id = kernels.handle_of(layer.flashrl_kernel)
         else:
             kernels.refresh_kernel(layer.flashrl_kernel_id, source)
 

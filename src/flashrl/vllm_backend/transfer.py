@@ -6,7 +6,8 @@ the backend decides how tensors travel. vLLM ships CUDA backends (NCCL, CUDA IPC
 on every device with no rendezvous:
 
 - in-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) receive the trainer's tensors
-  themselves (``update_info = {"names": [...], "tensors": [...]}``);
+  themselves (``update_info = {"names": [...], "tensors": [...]}``; with ``"prechecked": True``
+  the sender vouches it validated them whole, and the loaders do not scan them again);
 - multi-process engines receive the path of a safetensors file the trainer wrote for the chunk
   (``update_info = {"names": [...], "path": "/dev/shm/..."}``).
 
@@ -34,6 +35,8 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
+from flashrl.vllm_backend.model_state import state_of
+
 
 @dataclass
 class FlashRLTransferInitInfo(WeightTransferInitInfo):
@@ -42,11 +45,13 @@ class FlashRLTransferInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class FlashRLTransferUpdateInfo(WeightTransferUpdateInfo):
-    """One chunk of checkpoint-format tensors: `tensors` (in-process) or a safetensors `path`."""
+    """One chunk of checkpoint-format tensors: `tensors` (in-process) or a safetensors `path`.
+    `prechecked`: the sender validated `tensors` whole (finite floats), e.g. `WeightUpdater`."""
 
     names: list[str]
     tensors: list[torch.Tensor] | None = None
     path: str | None = None
+    prechecked: bool = False
 
     def __post_init__(self) -> None:
         if (self.tensors is None) == (self.path is None):
@@ -88,7 +93,8 @@ class FlashRLWeightTransferEngine(
             weights = [(name, loaded[name]) for name in update_info.names]
         else:
             weights = list(zip(update_info.names, update_info.tensors))
-        with disable_mtp_completeness_check():
+        vouched = update_info.tensors if update_info.prechecked and update_info.tensors else []
+        with disable_mtp_completeness_check(), state_of(self.model).prechecked(vouched):
             self.model.load_weights(weights)
 
     def finish_weight_update(self) -> None:
@@ -193,7 +199,7 @@ class FlashRLWorkerExtension:
         tensors staged, layers re-quantized, incomplete groups reported, layers still pending."""
         from flashrl.vllm_backend.direct_load import load_stats
 
-        return load_stats(reset)
+        return load_stats(self.model_runner.get_model(), reset)
 
     def flashrl_linear_kernels(self) -> dict[str, str]:
         """``{module name: GEMM}`` of every flashrl-quantized layer: a vLLM kernel class name, or
@@ -215,7 +221,6 @@ class FlashRLWorkerExtension:
         return reset_statistics(self.model_runner.get_model())
 
     def flashrl_pop_requantize_stats(self) -> dict[str, float]:
-        """Seconds spent re-quantizing and layers re-quantized since the last call (then reset)."""
-        from flashrl.vllm_backend.quant_methods import pop_requantize_stats
-
-        return pop_requantize_stats()
+        """Seconds spent re-quantizing and layers re-quantized in this worker's model since the last
+        call (then reset; `ModelState.pop_requantize_stats`)."""
+        return state_of(self.model_runner.get_model()).pop_requantize_stats()

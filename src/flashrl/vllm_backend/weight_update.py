@@ -17,8 +17,8 @@ Rules the update enforces, because vLLM's layerwise reload cannot recover from t
 Transport: when the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the tensors
 themselves are handed over; otherwise each chunk is written to a safetensors file in /dev/shm
 (or the temp dir) and its path is sent. Every tensor is checked for NaN/Inf once, before anything
-is sent; in-process, vLLM's loaders do not check the same tensors again
-(`flashrl.vllm_backend.direct_load.prechecked`).
+is sent; in-process, the chunks say so (``prechecked``) and vLLM's loaders do not check the same
+tensors again (`flashrl.vllm_backend.model_state.ModelState.prechecked`).
 
 FP8 KV cache: vLLM resets KV scales to 1.0 on every reload, so with an fp8 cache each update ends by
 setting them again (`flashrl.vllm_backend.kv_scales`): calibrated from the new weights on the
@@ -39,13 +39,11 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from flashrl.errors import ConfigError, InputError, WeightError
-from flashrl.vllm_backend.direct_load import prechecked
 from flashrl.vllm_backend.kv_scales import KVScaleSync
 from flashrl.vllm_backend.names import TRANSFER_BACKEND
 
@@ -255,9 +253,7 @@ class WeightUpdater:
         chunks = group_by_layer(items)
         self.llm.collective_rpc("flashrl_pop_requantize_stats")  # zero the counters
         start = time.perf_counter()
-        # Every tensor was checked whole above: in-process, the loaders need not check it again.
-        with prechecked(t for _, t in items) if self.transport == "tensors" else nullcontext():
-            self._send(chunks)
+        self._send(chunks)
         self.version += 1
         self.smoothing_pending = False  # the update refreshed the factors
         self.llm.finish_weight_update(weight_version=weight_version or str(self.version))
@@ -285,8 +281,8 @@ class WeightUpdater:
         self, chunk: list[tuple[str, torch.Tensor]], chunk_dir: str | None, index: int
     ) -> dict[str, Any]:
         names = [name for name, _ in chunk]
-        if chunk_dir is None:
-            return {"names": names, "tensors": [t for _, t in chunk]}
+        if chunk_dir is None:  # every tensor was checked whole: the loaders need not scan it again
+            return {"names": names, "tensors": [t for _, t in chunk], "prechecked": True}
         from safetensors.torch import save_file
 
         path = os.path.join(chunk_dir, f"chunk-{index:05d}.safetensors")
