@@ -391,7 +391,7 @@ def test_fused_layer_loaded_shard_by_shard_never_mixes_factors(checkpoints):
                         model.load_weights(
                             [(f"{prefix}.{part}.{kind}", new[f"{prefix}.{part}.{kind}"])]
                         )
-                assert load_stats()["pending_layers"] >= 1
+                assert load_stats(model)["pending_layers"] >= 1
                 generate(llm, seed=10 + step)  # rollouts while the group is incomplete
                 assert all(torch.equal(a, b) for a, b in zip(layer_bits(layer), old_bits)), part
                 assert torch.equal(probe(layer), old_out), f"{name}: changed after {part} only"
@@ -403,7 +403,7 @@ def test_fused_layer_loaded_shard_by_shard_never_mixes_factors(checkpoints):
             # Refreshed once, from the window including the rollouts above, with every shard.
             check_layer(layer, name, new, stats, "int8", f"{name} shard by shard")
             assert not torch.equal(vsmoothing.layer_smoothing(layer).smooth, old_bits[0])
-        assert load_stats()["pending_layers"] == 0
+        assert load_stats(model)["pending_layers"] == 0
 
 
 def test_a_refused_weight_leaves_factors_and_statistics_as_they_were(checkpoints):
