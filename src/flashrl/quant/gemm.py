@@ -206,8 +206,8 @@ def fp8_rowwise_cpu(a: GemmArgs) -> torch.Tensor:
     fp32, so this differs from `torch._scaled_mm` only in summation order, and it is several
     times faster than torch's CPU `_scaled_mm` (no CPU has fp8 arithmetic; its tensorwise kernel
     is slower still). Measured: benchmarks/RESULTS.md, "CPU fp8 GEMM"."""
-    scale_a, scale_b = _rowwise_scales(a)
-    y = (fp8_to_fp32(a.xq) @ fp8_to_fp32(a.wq).t()).mul_(scale_a).mul_(scale_b)
+    y = fp8_to_fp32(a.xq) @ fp8_to_fp32(a.wq).t()
+    y.mul_(a.x_scale.reshape(-1, 1)).mul_(a.w_scale.reshape(1, -1))  # one scale each broadcasts
     return _add_bias(y.to(a.out_dtype), a)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashrl.tools.profile_engines import MAX_BATCH
 from flashrl.utils import format_table
 
 MAX_TABLE_LAYERS = 40
@@ -118,8 +117,8 @@ def _mismatch_table(doc: dict[str, Any]) -> list[str]:
             + ["sampled kl", "sampled k3_kl", "sampled probs diff max", "weights MiB"]
             + ["decode tok/s", "vs bf16"],
         ),
-        "decode tok/s: while the config sampled its calibration responses (batch of at most "
-        f"{MAX_BATCH}, one run: a rough cost, not a benchmark)",
+        "decode tok/s: while the config sampled its calibration responses (one run at the "
+        "profile's small batch: a rough cost, not a benchmark)",
     ]
     if kv:
         lines.append(
