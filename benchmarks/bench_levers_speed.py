@@ -4,7 +4,9 @@
     python benchmarks/bench_levers_speed.py --variants int8,int8_g64 --rounds 5
 
 Variants are written as in benchmarks/mismatch.py (a scheme, optionally ``+sqA`` for online
-smoothing with exponent A). Every engine is built and warmed up first (for smoothed engines the
+smoothing with exponent A), and ``+nomirror`` turns off the CPU engine's fp32 weight copies
+(`flashrl.quant.cpu_mirror`), e.g. ``--variants int8,int8+nomirror``: then the responses of each
+pair are compared token for token (the copies must not change a bit). Every engine is built and warmed up first (for smoothed engines the
 warm-up generate also runs the calibration); then each round generates the same batch once with
 every variant in turn (EOS ignored, fixed length), so a noisy neighbour slows all variants of a
 round alike. Reported: median tokens/s over rounds and its ratio to the first variant, per round
@@ -24,14 +26,20 @@ from _common import device_name, format_table, write_json
 from flashrl.core.config import RolloutConfig
 from flashrl.core.sampling import SamplingParams
 from flashrl.engine import Engine
+from flashrl.quant.cpu_mirror import enable_mirrors
 from flashrl.rl.presets import resolve_model
 from mismatch import prompts_for
 
 
 def build(model_dir, variant: str, batch: int, max_len: int) -> Engine:
-    name, _, sq = variant.partition("+sq")
+    name, _, sq = variant.replace("+nomirror", "").partition("+sq")
     config = RolloutConfig(quant=name, smooth=float(sq) if sq else None)
-    return Engine(model_dir, config, dtype="bf16", max_len=max_len, max_batch=batch, progress=False)
+    engine = Engine(
+        model_dir, config, dtype="bf16", max_len=max_len, max_batch=batch, progress=False
+    )
+    if variant.endswith("+nomirror"):
+        enable_mirrors(engine.model, budget_bytes=0)
+    return engine
 
 
 def main() -> None:
@@ -54,11 +62,19 @@ def main() -> None:
     for engine in engines.values():  # warm-up (and the smoothing calibration)
         engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, seed=1))
     speeds: dict[str, list[float]] = {v: [] for v in variants}
+    responses: dict[str, list[list[int]]] = {}
     for _ in range(args.rounds):
         for v, engine in engines.items():
             start = time.perf_counter()
             outs = engine.generate(prompts, params)
             speeds[v].append(sum(len(o.response_ids) for o in outs) / (time.perf_counter() - start))
+            responses[v] = [o.response_ids for o in outs]
+    for v in variants:
+        if v.endswith("+nomirror") and v.removesuffix("+nomirror") in responses:
+            same = responses[v] == responses[v.removesuffix("+nomirror")]
+            print(
+                f"{v}: responses {'identical to' if same else 'DIFFER from'} the mirrored engine's"
+            )
     base = speeds[variants[0]]
     rows = [{
         "variant": v,

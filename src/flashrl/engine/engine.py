@@ -41,6 +41,7 @@ from flashrl.model.kv_scales import KVScaleState
 from flashrl.model.smoothing import SmoothingState
 from flashrl.model.weight_changes import ChangeCounts
 from flashrl.model.weights import WeightMap
+from flashrl.quant.cpu_mirror import enable_mirrors
 from flashrl.quant.linear import model_nbytes
 from flashrl.utils import synchronize
 
@@ -106,6 +107,8 @@ class Engine:
             lm_head_fp32=self.config.lm_head_fp32,
         ).eval()
         self.smoothing.enable(self.model)
+        # CPU: fp32 copies of the weights for the GEMMs, within a memory budget (quant/cpu_mirror.py).
+        self.mirror_bytes = enable_mirrors(self.model) if self.device.type == "cpu" else 0
         self.weights = WeightMap(self.model, sync_generator=self._sr)
         self.runner = ModelRunner(
             self.model,

@@ -33,6 +33,7 @@ import torch
 
 from flashrl.errors import InputError
 from flashrl.quant import gemm, primitives
+from flashrl.quant.cpu_mirror import Fp32Mirror
 from flashrl.quant.encode import check_float_input
 from flashrl.quant.gemm import GemmArgs
 from flashrl.quant.kernels import launch, use_triton
@@ -153,18 +154,21 @@ def scaled_linear(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     shard_sizes: tuple[int, ...] | None = None,
+    mirror: Fp32Mirror | None = None,
 ) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for a quantized weight; `x` may have any leading dims.
 
     `w_scale` is laid out as `quantize_weight` returns it, except for a per-tensor scheme over a
     fused weight, where it is one scale per output row (`flashrl.quant.granularity`).
-    `shard_sizes` matters only for blocks (one block grid per shard).
+    `shard_sizes` matters only for blocks (one block grid per shard); `mirror` is the layer's fp32
+    copy of `wq` for the CPU GEMMs (`flashrl.quant.cpu_mirror`).
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     xq, x_scale = quantize_activation(x2, scheme)
     run = GEMMS[gemm_kind(scheme, x_scale, w_scale), device_of(x2)]
-    y = run(GemmArgs(xq, x_scale, wq, w_scale, scheme, out_dtype or x.dtype, bias, shard_sizes))
+    out_dtype = out_dtype or x.dtype
+    y = run(GemmArgs(xq, x_scale, wq, w_scale, scheme, out_dtype, bias, shard_sizes, mirror))
     return y.reshape(*lead, wq.shape[0])
 
 

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from flashrl.errors import UnsupportedError
+from flashrl.quant.cpu_mirror import Fp32Mirror
 from flashrl.quant.encode import fp8_to_fp32
 from flashrl.quant.primitives import dequantize_per_block_shards, dequantize_per_group
 from flashrl.quant.schemes import QuantScheme
@@ -67,6 +68,8 @@ class GemmArgs(NamedTuple):
     bias: torch.Tensor | None = None
     shard_sizes: tuple[int, ...] | None = None
     """Rows of each shard of a fused weight: blocks have one grid per shard."""
+    mirror: Fp32Mirror | None = None
+    """The layer's fp32 copy of `wq` for the CPU paths (`flashrl.quant.cpu_mirror`)."""
 
 
 def check_gemm_shape(
@@ -116,21 +119,35 @@ def int8_mm_cuda(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     return int_mm(xq, wq, INT_MM_MIN_ROWS_CUDA)
 
 
-def int8_mm_cpu(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+def int8_mm_cpu(
+    xq: torch.Tensor, wq: torch.Tensor, mirror: Fp32Mirror | None = None
+) -> torch.Tensor:
     """The int32 product of the CPU int8 GEMM: fp32 chunks, or `torch._int_mm` on AMX CPUs."""
-    return int_mm(xq, wq) if CPU_HAS_AMX_INT8 else int8_mm_exact_fp32(xq, wq)
+    return int_mm(xq, wq) if CPU_HAS_AMX_INT8 else int8_mm_exact_fp32(xq, wq, mirror)
 
 
-def int8_mm_exact_fp32(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+def int8_mm_exact_fp32(
+    xq: torch.Tensor, wq: torch.Tensor, mirror: Fp32Mirror | None = None
+) -> torch.Tensor:
     """Exact int32 ``xq @ wq^T`` from fp32 matmuls over K chunks of `EXACT_FP32_CHUNK` columns
     (every partial sum is an integer fp32 represents exactly; see the module doc)."""
-    x, w = xq.to(torch.float32), wq.to(torch.float32)
+    x, w = xq.to(torch.float32), codes_fp32(wq, mirror)
     k = x.shape[1]
     acc = torch.mm(x[:, :EXACT_FP32_CHUNK], w[:, :EXACT_FP32_CHUNK].t()).to(torch.int32)
     for start in range(EXACT_FP32_CHUNK, k, EXACT_FP32_CHUNK):
         end = start + EXACT_FP32_CHUNK
         acc += torch.mm(x[:, start:end], w[:, start:end].t()).to(torch.int32)
     return acc
+
+
+def codes_fp32(q: torch.Tensor, mirror: Fp32Mirror | None = None) -> torch.Tensor:
+    """Weight codes as fp32 values (exact for int8 and e4m3), from `mirror` when there is one."""
+    convert = fp8_to_fp32 if q.dtype == torch.float8_e4m3fn else _to_fp32
+    return convert(q) if mirror is None else mirror.get(q, convert)
+
+
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32)
 
 
 def _fp32_epilogue(y: torch.Tensor, a: GemmArgs) -> torch.Tensor:
@@ -149,7 +166,7 @@ def int8_rowwise_cuda(a: GemmArgs) -> torch.Tensor:
 
 def int8_rowwise_cpu(a: GemmArgs) -> torch.Tensor:
     """`int8_rowwise_cuda` on the CPU (the same int32 values from `int8_mm_cpu`)."""
-    acc = int8_mm_cpu(a.xq, a.wq).to(torch.float32).mul_(a.x_scale)
+    acc = int8_mm_cpu(a.xq, a.wq, a.mirror).to(torch.float32).mul_(a.x_scale)
     return _fp32_epilogue(acc, a)
 
 
@@ -159,7 +176,7 @@ def int8_group(a: GemmArgs) -> torch.Tensor:
     s_w[n]``, summed in fp32 in another order; no integer kernel takes per-group scales)."""
     _warn_reference_once(a.xq, a.scheme)
     x_deq = dequantize_per_group(a.xq, a.x_scale, a.scheme.group_size)
-    return _fp32_epilogue(torch.mm(x_deq, a.wq.to(torch.float32).t()), a)
+    return _fp32_epilogue(torch.mm(x_deq, codes_fp32(a.wq, a.mirror).t()), a)
 
 
 def cublas_aligned(scale: torch.Tensor) -> torch.Tensor:
@@ -206,7 +223,7 @@ def fp8_rowwise_cpu(a: GemmArgs) -> torch.Tensor:
     fp32, so this differs from `torch._scaled_mm` only in summation order, and it is several
     times faster than torch's CPU `_scaled_mm` (no CPU has fp8 arithmetic; its tensorwise kernel
     is slower still). Measured: benchmarks/RESULTS.md, "CPU fp8 GEMM"."""
-    y = fp8_to_fp32(a.xq) @ fp8_to_fp32(a.wq).t()
+    y = fp8_to_fp32(a.xq) @ codes_fp32(a.wq, a.mirror).t()
     y.mul_(a.x_scale.reshape(-1, 1)).mul_(a.w_scale.reshape(1, -1))  # one scale each broadcasts
     return _add_bias(y.to(a.out_dtype), a)
 
@@ -220,7 +237,8 @@ def fp8_block(a: GemmArgs) -> torch.Tensor:
     """
     _warn_reference_once(a.xq, a.scheme)
     x_deq = dequantize_per_group(a.xq, a.x_scale, a.scheme.group_size)
-    w_deq = dequantize_per_block_shards(a.wq, a.w_scale, a.scheme.block_size, a.shard_sizes)
+    codes = codes_fp32(a.wq, a.mirror) if a.mirror is not None else a.wq
+    w_deq = dequantize_per_block_shards(codes, a.w_scale, a.scheme.block_size, a.shard_sizes)
     y = x_deq @ w_deq.t()
     if a.bias is not None:
         y.add_(a.bias.to(torch.float32))

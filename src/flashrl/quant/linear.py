@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from flashrl.core.config import DEFAULT_SKIP
 from flashrl.errors import InputError
+from flashrl.quant.cpu_mirror import Fp32Mirror
 from flashrl.quant.dispatch import scaled_linear
 from flashrl.quant.encode import check_float_input
 from flashrl.quant.gemm import check_gemm_shape
@@ -109,6 +110,7 @@ class QuantLinear(_ShardedLinear, nn.Module):
         else:
             self.bias = None
         self.register_buffer("smooth", None)  # SmoothQuant factors: `flashrl.quant.smoothing`
+        self.fp32_mirror = Fp32Mirror()  # CPU GEMMs: `flashrl.quant.cpu_mirror`
 
     # ---------------------------------------------------------------- construction
 
@@ -170,8 +172,9 @@ class QuantLinear(_ShardedLinear, nn.Module):
         scale = gemm_scale(self.weight_scale, self.row_scale)
         xs = x if self.smooth is None else observe_and_scale(self, x)
         return scaled_linear(
-            xs, self.weight, scale, self.scheme, self.bias, x.dtype, self.shard_sizes
-        )
+            xs, self.weight, scale, self.scheme, self.bias, x.dtype, self.shard_sizes,
+            self.fp32_mirror,
+        )  # fmt: skip
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the layer effectively multiplies by: codes times scales (over s, smoothed)."""
@@ -184,6 +187,10 @@ class QuantLinear(_ShardedLinear, nn.Module):
     def extra_repr(self) -> str:
         shards = f", shards={self.shard_sizes}" if len(self.shard_sizes) > 1 else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}{shards}, bias={self.bias is not None}"
+
+
+def _float(t: torch.Tensor) -> torch.Tensor:
+    return t.float()
 
 
 class DenseLinear(_ShardedLinear, nn.Linear):
@@ -208,6 +215,7 @@ class DenseLinear(_ShardedLinear, nn.Linear):
             raise ValueError(
                 f"shard_sizes {self.shard_sizes} must sum to out_features={out_features}"
             )
+        self.fp32_mirror = Fp32Mirror()  # CPU: `flashrl.quant.cpu_mirror`
 
     def reset_parameters(self) -> None:  # weights are always loaded; skip the random init
         pass
@@ -216,12 +224,14 @@ class DenseLinear(_ShardedLinear, nn.Linear):
         """``x W^T (+ b)``. On the CPU a bf16/fp16 layer multiplies in fp32 and rounds the output
         once, which is what a bf16 GEMM computes (exact products, fp32 accumulation, one rounding;
         only the order of the sum may differ): CPUs without bf16 dot-product units run torch's
-        native bf16 GEMM 2-6x slower than this (benchmarks/RESULTS.md)."""
+        native bf16 GEMM 2-6x slower than this (benchmarks/RESULTS.md). The fp32 weight comes from
+        the layer's mirror when the engine enabled it (`flashrl.quant.cpu_mirror`)."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float16):
             return super().forward(x)
         bias = None if self.bias is None else self.bias.float()
-        return nn.functional.linear(x.float(), w.float(), bias).to(x.dtype)
+        w32 = self.fp32_mirror.get(w, _float)
+        return nn.functional.linear(x.float(), w32, bias).to(x.dtype)
 
     @torch.no_grad()
     def requantize_(
