@@ -18,7 +18,8 @@ engine's own linear layers. Steps of `run_profile`:
    sequences from no-cache forwards, compared over the full vocabulary in fp64 (no sampling noise;
    decisions use these); ``kv_cache`` (the KV cache, with ``--kv-cache-dtype fp8``):
    `Engine.kv_cache_mismatch`, the fp8 cache against an unquantized cache on the same weights,
-   teacher-forced on the calibration responses; ``sampled`` (everything together): the engine
+   teacher-forced on the calibration responses, once per scheme on the recommended config (two
+   teacher-forced passes cost as much as two generates); ``sampled`` (everything together): the engine
    generates its own responses through its cache, as in training, and
    `flashrl.correction.mismatch_metrics` compares its logprobs with the bf16 engine's rescoring,
    i.e. the numbers `flashrl train` logs at step 0.
@@ -29,8 +30,9 @@ engine's own linear layers. Steps of `run_profile`:
    The engine is rebuilt with the chosen skip list and step 3 is repeated. Memory: weight bytes
    before and after.
 5. Smoothing (`--smooth`, default 0.5; dense models): online smoothing (`rollout.smooth`) on top of
-   the chosen skip list, measured as in step 3 (its engine calibrates on its own first rollouts)
-   and recommended only if it lowers the exact KL; `flashrl setup` writes it as ``smooth``.
+   the chosen skip list, decided on the exact KL alone (its engine calibrates on the calibration
+   prompts, as its first rollout would) and measured in full as in step 3 only when it lowers that
+   KL; `flashrl setup` writes it as ``smooth``.
 
 `DEFAULT_THRESHOLD` = 0.1 (10 % relative output error). Round-to-nearest alone gives about
 0.4-1.5 % for int8 W8A8 and 1.5-4 % for the fp8 schemes on layers without outliers (measured on
@@ -46,6 +48,7 @@ rollout config.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -55,6 +58,7 @@ from typing import Any
 import torch
 
 import flashrl
+from flashrl.engine import Engine
 from flashrl.fileio import atomic_write_text
 from flashrl.model.config import ModelConfig
 from flashrl.quant.linear import DEFAULT_SKIP
@@ -83,7 +87,7 @@ def _scheme_entry(
     cal: Calibration, scheme: str, layers: list[dict[str, Any]], bf16_bytes: int, stage: Stages
 ) -> SchemeProfile:
     """``schemes.<scheme>`` of the document: errors, the skip recommendation, the mismatch before
-    and after skipping, memory."""
+    and after skipping and smoothing, memory; the KV cache measured on the recommended config."""
     cfg, kv = cal.cfg, cal.cfg.kv_cache_dtype
     logger.info("profile: %s end to end", scheme)
     errors = [entry["errors"][scheme]["output_error"] for entry in layers]
@@ -95,26 +99,20 @@ def _scheme_entry(
         engine = None
         free_memory()
 
-    def kl_of(names: list[str]) -> float:  # exact end-to-end KL with `names` kept in bf16
-        trial = make_engine(cfg, scheme, list(DEFAULT_SKIP) + names, cal.max_len, kv)
-        kl = cal.exact(trial)["kl"]
-        free_memory()
-        return kl
-
     with stage(f"{scheme} skip list ({len(flagged)} candidate(s))"):
-        recommended, tried = select_skips(
-            flagged, kl_of, mismatch["exact"]["kl"], progress=cfg.progress
+        recommended, tried, after_skip, bytes_after_skip = _skip_list(
+            cal, scheme, flagged, mismatch
         )
-        skip = list(DEFAULT_SKIP) + recommended
-        after_skip, bytes_after_skip = None, weight_bytes
-        if recommended:
-            engine = make_engine(cfg, scheme, skip, cal.max_len, kv)
-            after_skip, bytes_after_skip = cal.mismatch(engine), engine.weight_nbytes()
-            engine = None
-            free_memory()
+    skip = list(DEFAULT_SKIP) + recommended
     with stage(f"{scheme} smoothing"):
         best = (after_skip or mismatch)["exact"]
-        smoothing, after_smooth = _smoothing_trial(cal, scheme, skip, best)
+        smoothing, after_smooth, engine = _smoothing_trial(cal, scheme, skip, best)
+    if kv != "bf16":
+        with stage(f"{scheme} + {kv} KV cache"):
+            engine = engine or make_engine(cfg, scheme, skip, cal.max_len, kv)
+            (after_smooth or after_skip or mismatch)["kv_cache"] = cal.kv_cache(engine)
+    engine = None
+    free_memory()
     return SchemeProfile(
         smoothing=smoothing,
         recommended_smooth=smoothing["alpha"] if smoothing and smoothing["kept"] else None,
@@ -130,43 +128,65 @@ def _scheme_entry(
         memory=WeightMemory(
             weight_bytes_bf16=bf16_bytes,
             weight_bytes=weight_bytes,
-            weight_bytes_after_skip=bytes_after_skip,
+            weight_bytes_after_skip=bytes_after_skip or weight_bytes,
             ratio=weight_bytes / bf16_bytes,
-            ratio_after_skip=bytes_after_skip / bf16_bytes,
+            ratio_after_skip=(bytes_after_skip or weight_bytes) / bf16_bytes,
         ),
     )
 
 
-def _smoothing_trial(
-    cal: Calibration, scheme: str, skip: list[str], best: dict[str, Any]
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """``smoothing`` of a scheme: online smoothing (`cfg.smooth`) on top of the chosen skip list,
-    kept only if it lowers the exact KL `best`; and the mismatch with it when kept."""
-    alpha = cal.cfg.smooth
-    if alpha is None:
-        return None, None
-    if cal.reference.model_config.moe is not None:
-        return {
-            "alpha": alpha,
-            "kl": None,
-            "kept": False,
-            "reason": "MoE experts are not smoothed",
-        }, None
-    engine = make_engine(cal.cfg, scheme, skip, cal.max_len, cal.cfg.kv_cache_dtype, smooth=alpha)
-    mismatch = cal.mismatch(engine)
+def _skip_list(
+    cal: Calibration, scheme: str, flagged: list[str], mismatch: dict[str, Any]
+) -> tuple[list[str], list[dict[str, Any]], dict[str, Any] | None, int | None]:
+    """The flagged layers worth keeping in bf16 (`profile_select.select_skips` on the exact KL), the
+    trials, and the mismatch and weight bytes with them (None when none is kept)."""
+    cfg, kv = cal.cfg, cal.cfg.kv_cache_dtype
+
+    def kl_of(names: list[str]) -> float:  # exact end-to-end KL with `names` kept in bf16
+        trial = make_engine(cfg, scheme, list(DEFAULT_SKIP) + names, cal.max_len, kv)
+        kl = cal.exact(trial)["kl"]
+        free_memory()
+        return kl
+
+    recommended, tried = select_skips(
+        flagged, kl_of, mismatch["exact"]["kl"], progress=cfg.progress
+    )
+    if not recommended:
+        return recommended, tried, None, None
+    engine = make_engine(cfg, scheme, list(DEFAULT_SKIP) + recommended, cal.max_len, kv)
+    after_skip, nbytes = cal.mismatch(engine), engine.weight_nbytes()
     engine = None
     free_memory()
-    kept = mismatch["exact"]["kl"] < best["kl"]
-    return {"alpha": alpha, "kl": mismatch["exact"]["kl"], "kept": kept, "reason": None}, (
-        mismatch if kept else None
-    )
+    return recommended, tried, after_skip, nbytes
+
+
+def _smoothing_trial(
+    cal: Calibration, scheme: str, skip: list[str], best: dict[str, Any]
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, Engine | None]:
+    """``smoothing`` of a scheme: online smoothing (`cfg.smooth`) on top of the chosen skip list,
+    kept only if it lowers the exact KL `best`. It is decided on the exact KL alone (the engine
+    calibrates on the calibration prompts, as its first rollout would, by a one-token generate);
+    a kept trial is then measured in full and its engine returned for the KV-cache measurement."""
+    alpha = cal.cfg.smooth
+    if alpha is None:
+        return None, None, None
+    if cal.reference.model_config.moe is not None:
+        reason = "MoE experts are not smoothed"
+        return {"alpha": alpha, "kl": None, "kept": False, "reason": reason}, None, None
+    engine = make_engine(cal.cfg, scheme, skip, cal.max_len, cal.cfg.kv_cache_dtype, smooth=alpha)
+    engine.generate(cal.prompts, dataclasses.replace(cal.params, max_tokens=1))
+    kl = cal.exact(engine)["kl"]
+    trial = {"alpha": alpha, "kl": kl, "kept": kl < best["kl"], "reason": None}
+    if not trial["kept"]:
+        return trial, None, None
+    return trial, cal.mismatch(engine), engine
 
 
 def _kv_cache_entry(cal: Calibration) -> KVCacheProfile:
     """``kv_cache`` of the document: bf16 weights with the quantized KV cache."""
     kv = cal.cfg.kv_cache_dtype
     engine = make_engine(cal.cfg, "bf16", DEFAULT_SKIP, cal.max_len, kv)
-    kv_only = cal.mismatch(engine)
+    kv_only = cal.mismatch(engine, kv=True)
     del kv_only["exact"]  # bf16 weights: the no-cache forward is the reference itself
     entry = KVCacheProfile(
         dtype=kv,
@@ -185,7 +205,8 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     cfg.check()
     schemes = cfg.schemes()
     model_config = ModelConfig.from_model_dir(cfg.model)  # clear errors for a bad directory
-    stage = Stages(2 + 3 * len(schemes) + (cfg.kv_cache_dtype != "bf16"), cfg.progress)
+    kv_stages = len(schemes) + 1 if cfg.kv_cache_dtype != "bf16" else 0
+    stage = Stages(2 + 3 * len(schemes) + kv_stages, cfg.progress)
     with stage("bf16 responses"):
         cal, calibration = calibrate(cfg, model_config)
     logger.info("profile: per-layer errors over %d tokens", calibration.positions)
@@ -230,7 +251,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     for scheme in schemes:
         result.schemes[scheme] = _scheme_entry(cal, scheme, layers, bf16_bytes, stage)
     if cfg.kv_cache_dtype != "bf16":
-        with stage(f"{cfg.kv_cache_dtype} KV cache"):
+        with stage(f"bf16 weights + {cfg.kv_cache_dtype} KV cache"):
             result.kv_cache = _kv_cache_entry(cal)
     stage.close()
     result.timings_s = stage.seconds

@@ -117,26 +117,37 @@ class Calibration:
             self.reference, engine, self.sequences, self.cfg.temperature, self._reference_logits
         )
 
-    def mismatch(self, engine: Engine) -> dict[str, Any]:
-        """`engine` against the bf16 reference: exact, sampled and (fp8 cache) kv_cache, and the
-        engine's decode tokens/s while it sampled (a fresh engine: its first generate; prefill and a
-        smoothing engine's calibration excluded). The sampled rollouts come first: a smoothing
-        engine calibrates on its first generate."""
+    def mismatch(self, engine: Engine, kv: bool = False) -> dict[str, Any]:
+        """`engine` against the bf16 reference: exact, sampled and, with `kv`, ``kv_cache``
+        (`kv_cache`), and the engine's decode tokens/s while it sampled (prefill and a smoothing
+        engine's calibration excluded). The sampled rollouts come first: a smoothing engine
+        calibrates on its first generate."""
         t = self.cfg.temperature
+        before = engine.stats()
         sampled = engine.generate(self.prompts, self.params)
-        decode_tok_s = engine.stats()["decode_tokens_per_s"]
-        out = {
+        after = engine.stats()
+        seconds = after["decode_s"] - before["decode_s"]
+        tokens = after["generated_tokens"] - before["generated_tokens"]
+        return {
             "exact": self.exact(engine),
             "sampled": sampled_mismatch(self.reference, sampled, t),
-            "kv_cache": None,
-            "decode_tok_s": decode_tok_s,
+            "kv_cache": self.kv_cache(engine) if kv else None,
+            "decode_tok_s": tokens / seconds if seconds else 0.0,
         }
-        if self.cfg.kv_cache_dtype != "bf16":
-            kept = [r for r in self.rollouts if r.response_ids]
-            out["kv_cache"] = engine.kv_cache_mismatch(
-                [r.prompt_ids for r in kept], [r.response_ids for r in kept], temperature=t
-            )
-        return out
+
+    def kv_cache(self, engine: Engine) -> dict[str, float] | None:
+        """`Engine.kv_cache_mismatch` on the calibration responses (None for a bf16 cache): two
+        teacher-forced passes through the cache, as costly as two generates, so a profile runs it
+        once per scheme, on the recommended config. Calibrated fp8 KV scales come from the
+        calibration sequences for every config, so that configs are compared on equal terms."""
+        if self.cfg.kv_cache_dtype == "bf16":
+            return None
+        if engine.kv_calibrated:
+            engine.calibrate_kv(self.sequences)
+        kept = [r for r in self.rollouts if r.response_ids]
+        return engine.kv_cache_mismatch(
+            [r.prompt_ids for r in kept], [r.response_ids for r in kept], self.cfg.temperature
+        )
 
 
 def calibrate(
