@@ -8,8 +8,9 @@ decode, 3x for int8's and bf16's casts (benchmarks/RESULTS.md, "CPU weight mirro
 `Fp32Mirror` keeps the converted values: the same fp32 numbers the conversion gives, so every
 output stays bit for bit what it was.
 
-Staleness: the mirror is rebuilt when the source is another tensor object, its storage moved, or
-torch's version counter of it changed. Every in-place write (``copy_``, ``out=``, indexing, a
+Staleness: the mirror is rebuilt when the source (or another tensor the conversion reads, such as
+fp8_block's scales) is another tensor object, its storage moved, or torch's version counter of it
+changed. Every in-place write (``copy_``, ``out=``, indexing, a
 view's write) bumps that counter; a write through ``.data`` does not, and nothing in the built-in
 engine writes weights that way (tested: requantize, updates, smoothing refresh, stochastic
 rounding). While torch.compile traces, the conversion runs inline instead.
@@ -33,28 +34,36 @@ DEFAULT_BUDGET_FRACTION = 0.25
 class Fp32Mirror:
     """The fp32 values of one CPU weight tensor, kept until the tensor is written."""
 
-    __slots__ = ("_key", "_source", "_value", "enabled")
+    __slots__ = ("_key", "_sources", "_value", "enabled")
 
     def __init__(self) -> None:
         self.enabled = False
-        self._source: torch.Tensor | None = None
-        self._key: tuple[int, int] = (0, -1)
+        self._sources: tuple[torch.Tensor, ...] = ()
+        self._key: tuple[tuple[int, int], ...] = ()
         self._value: torch.Tensor | None = None
 
     def get(
-        self, source: torch.Tensor, convert: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        source: torch.Tensor,
+        convert: Callable[[torch.Tensor], torch.Tensor],
+        *inputs: torch.Tensor,
     ) -> torch.Tensor:
-        """``convert(source)``, from the mirror when it is enabled and current."""
+        """``convert(source)``, from the mirror when it is enabled and current. `inputs` are the
+        other tensors `convert` reads (fp8_block's scales): a write to any of them rebuilds too."""
         if not self.enabled or source.device.type != "cpu" or torch.compiler.is_compiling():
             return convert(source)
-        key = (source.data_ptr(), source._version)
-        if self._source is not source or self._key != key or self._value is None:
+        tensors = (source, *inputs)
+        key = tuple((t.data_ptr(), t._version) for t in tensors)
+        same = len(self._sources) == len(tensors) and all(
+            a is b for a, b in zip(self._sources, tensors)
+        )
+        if not same or self._key != key or self._value is None:
             self._value = convert(source)
-            self._source, self._key = source, key
+            self._sources, self._key = tensors, key
         return self._value
 
     def clear(self) -> None:
-        self._source, self._value = None, None
+        self._sources, self._value = (), None
 
     @property
     def nbytes(self) -> int:

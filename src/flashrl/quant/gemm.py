@@ -237,8 +237,11 @@ def fp8_block(a: GemmArgs) -> torch.Tensor:
     """
     _warn_reference_once(a.xq, a.scheme)
     x_deq = dequantize_per_group(a.xq, a.x_scale, a.scheme.group_size)
-    codes = codes_fp32(a.wq, a.mirror) if a.mirror is not None else a.wq
-    w_deq = dequantize_per_block_shards(codes, a.w_scale, a.scheme.block_size, a.shard_sizes)
+
+    def dequantize(q: torch.Tensor) -> torch.Tensor:
+        return dequantize_per_block_shards(q, a.w_scale, a.scheme.block_size, a.shard_sizes)
+
+    w_deq = dequantize(a.wq) if a.mirror is None else a.mirror.get(a.wq, dequantize, a.w_scale)
     y = x_deq @ w_deq.t()
     if a.bias is not None:
         y.add_(a.bias.to(torch.float32))

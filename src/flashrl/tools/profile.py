@@ -175,11 +175,11 @@ def _smoothing_trial(
         return {"alpha": alpha, "kl": None, "kept": False, "reason": reason}, None, None
     engine = make_engine(cal.cfg, scheme, skip, cal.max_len, cal.cfg.kv_cache_dtype, smooth=alpha)
     engine.generate(cal.prompts, dataclasses.replace(cal.params, max_tokens=1))
-    kl = cal.exact(engine)["kl"]
-    trial = {"alpha": alpha, "kl": kl, "kept": kl < best["kl"], "reason": None}
+    exact = cal.exact(engine)
+    trial = {"alpha": alpha, "kl": exact["kl"], "kept": exact["kl"] < best["kl"], "reason": None}
     if not trial["kept"]:
         return trial, None, None
-    return trial, cal.mismatch(engine), engine
+    return trial, cal.mismatch(engine, exact=exact), engine
 
 
 def _kv_cache_entry(cal: Calibration) -> KVCacheProfile:

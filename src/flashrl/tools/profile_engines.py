@@ -117,11 +117,13 @@ class Calibration:
             self.reference, engine, self.sequences, self.cfg.temperature, self._reference_logits
         )
 
-    def mismatch(self, engine: Engine, kv: bool = False) -> dict[str, Any]:
-        """`engine` against the bf16 reference: exact, sampled and, with `kv`, ``kv_cache``
-        (`kv_cache`), and the engine's decode tokens/s while it sampled (prefill and a smoothing
-        engine's calibration excluded). The sampled rollouts come first: a smoothing engine
-        calibrates on its first generate."""
+    def mismatch(
+        self, engine: Engine, kv: bool = False, exact: dict[str, float] | None = None
+    ) -> dict[str, Any]:
+        """`engine` against the bf16 reference: exact (`exact` when already measured on this
+        engine), sampled and, with `kv`, ``kv_cache`` (`kv_cache`), and the engine's decode
+        tokens/s while it sampled (prefill and a smoothing engine's calibration excluded). The
+        sampled rollouts come first: a smoothing engine calibrates on its first generate."""
         t = self.cfg.temperature
         before = engine.stats()
         sampled = engine.generate(self.prompts, self.params)
@@ -129,7 +131,7 @@ class Calibration:
         seconds = after["decode_s"] - before["decode_s"]
         tokens = after["generated_tokens"] - before["generated_tokens"]
         return {
-            "exact": self.exact(engine),
+            "exact": exact if exact is not None else self.exact(engine),
             "sampled": sampled_mismatch(self.reference, sampled, t),
             "kv_cache": self.kv_cache(engine) if kv else None,
             "decode_tok_s": tokens / seconds if seconds else 0.0,
