@@ -54,7 +54,7 @@ def _layer_table(doc: dict[str, Any]) -> list[str]:
 def _mismatch_row(
     label: str, mismatch: dict[str, Any], weight_bytes: int | None, bf16_tok_s: float | None = None
 ) -> dict[str, str]:
-    exact, sampled = mismatch.get("exact") or {}, mismatch["sampled"]
+    exact, sampled = mismatch.get("exact") or {}, mismatch.get("sampled") or {}
     kv = mismatch.get("kv_cache") or {}
     tok_s = mismatch.get("decode_tok_s")  # absent in older profiles
     return {
@@ -66,9 +66,9 @@ def _mismatch_row(
         "kl max": fmt(exact.get("kl_max")) if exact else "-",
         "probs diff max": fmt(exact.get("rollout_probs_diff_max")) if exact else "-",
         "top1 agree": fmt(exact.get("top1_agreement"), 4) if exact else "-",
-        "sampled kl": fmt(sampled.get("kl")),
-        "sampled k3_kl": fmt(sampled.get("k3_kl")),
-        "sampled probs diff max": fmt(sampled.get("rollout_probs_diff_max")),
+        "sampled kl": fmt(sampled.get("kl")) if sampled else "-",
+        "sampled k3_kl": fmt(sampled.get("k3_kl")) if sampled else "-",
+        "sampled probs diff max": fmt(sampled.get("rollout_probs_diff_max")) if sampled else "-",
         "weights MiB": f"{weight_bytes / 2**20:.2f}" if weight_bytes else "",
     }
 

@@ -89,7 +89,8 @@ class SchemeProfile:
 
 @dataclass
 class KVCacheProfile:
-    """``kv_cache``: bf16 weights with the quantized KV cache."""
+    """``kv_cache``: bf16 weights with the quantized KV cache; `kv_only` holds ``kv_cache`` alone
+    (older profiles also ``sampled`` and ``decode_tok_s``)."""
 
     dtype: str
     kv_scale: str | float
