@@ -8,6 +8,8 @@ Tolerances (per element, u = 2^-24, G = ceil(K/g) groups, A = |s_w| sum_g |s_x[g
   sum rounds G - 1 times, then ``* s_w`` and ``+ bias``: |err| <= (G + 2) u A (recursive summation).
 - vs the reference: it rounds ``s_x * q`` and sums K products in fp32, |err| <= (K + 3) u A, so
   the two differ by at most (K + G + 5) u A.
+- Measured (interpreter, groups 64 / 128, K up to 2048): at most 1.5 u A per element; max-abs
+  error 1.8e-7 of max |Y| against float64, 5.6e-7 against the reference.
 - bf16 / fp16 output: the kernel's fp32 result rounded to nearest even, bit for bit
   (``y32.to(dtype)``); against the reference one ulp of the output more.
 

@@ -101,8 +101,5 @@ def int8_group_gemm_kernel(
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
-    if OUT_BF16:  # y_ptr is an int16 view of the bf16 output
-        out = _bf16_bits(acc)
-    else:
-        out = acc.to(y_ptr.dtype.element_ty)
+    out = _bf16_bits(acc) if OUT_BF16 else acc.to(y_ptr.dtype.element_ty)  # bf16: an int16 view
     tl.store(y, out, mask=row_ok[:, None] & col_ok[None, :])
