@@ -57,15 +57,16 @@ def operands(m: int, k: int, n: int, group: int, bias: bool, gen: torch.Generato
 
 
 def reference64(xq, sx, wq, sw, b, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Y, A) in float64: the formula group by group, exact int64 dots; A bounds the terms."""
+    """(Y, A) in float64: the formula group by group; A bounds the terms. The dots are float64
+    matmuls of the codes, exact (every partial sum is an integer below g * 127^2 << 2^53)."""
     k = xq.shape[1]
     y = torch.zeros(xq.shape[0], wq.shape[0], dtype=torch.float64)
     mag = torch.zeros_like(y)
     for g, start in enumerate(range(0, k, group)):
-        xg, wg = xq[:, start : start + group].long(), wq[:, start : start + group].long()
+        xg, wg = xq[:, start : start + group].double(), wq[:, start : start + group].double()
         s = sx[:, g : g + 1].double()
-        y += (xg @ wg.t()).double() * s
-        mag += (xg.abs() @ wg.abs().t()).double() * s.abs()
+        y += (xg @ wg.t()) * s
+        mag += (xg.abs() @ wg.abs().t()) * s.abs()
     sw64 = sw.double().reshape(1, -1)
     y, mag = y * sw64, mag * sw64.abs()
     if b is not None:
