@@ -474,6 +474,22 @@ def compile_ptx(fn, pointers: dict[str, str], constexprs: dict[str, object], arc
     return triton.compile(source, target=target, options={"enable_fp_fusion": False}).asm["ptx"]
 
 
+GROUP_GEMM_PTX_CASES = [  # (pointer types, constexprs, arches) of group_gemm.int8_group_gemm_kernel
+    (
+        {"x_ptr": "*i8", "xs_ptr": "*fp32", "w_ptr": "*i8", "ws_ptr": "*fp32", "b_ptr": "*bf16",
+         "y_ptr": "*i16"},
+        dict(GROUP=64, HAS_BIAS=True, OUT_BF16=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64),
+        (90, 80),
+    ),
+    (
+        {"x_ptr": "*i8", "xs_ptr": "*fp32", "w_ptr": "*i8", "ws_ptr": "*fp32", "b_ptr": "*fp16",
+         "y_ptr": "*fp16"},
+        dict(GROUP=128, HAS_BIAS=False, OUT_BF16=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128),
+        (90, 80),
+    ),
+]  # fmt: skip
+
+
 def test_jit_globals_are_named_as_their_def_for_inductor():
     """torch.compile (inductor) rebuilds a user Triton kernel from source: for each name the kernel's
     code loads that is a ``@triton.jit`` global, it pastes that function's source, whose ``def`` line
@@ -482,8 +498,9 @@ def test_jit_globals_are_named_as_their_def_for_inductor():
     failed with a NameError on an H100 (torch 2.11). Checked here the way inductor walks the calls."""
     from triton.runtime.jit import JITFunction
 
-    module = kernels._load(interpret=False)
-    seen, todo, wrong = set(), [v for v in vars(module).values() if isinstance(v, JITFunction)], []
+    modules = [kernels._load(interpret=False, source=name) for name in kernels.KERNEL_MODULES]
+    todo = [v for module in modules for v in vars(module).values() if isinstance(v, JITFunction)]
+    seen, wrong = set(), []
     while todo:
         fn = todo.pop()
         for name in fn.fn.__code__.co_names:
@@ -493,11 +510,12 @@ def test_jit_globals_are_named_as_their_def_for_inductor():
                 todo.append(target)
                 if target.fn.__name__ != name:
                     wrong.append(f"{fn.fn.__name__} calls {name}, defined as {target.fn.__name__}")
-    assert "_max_combine" in seen and not wrong, wrong
+    assert {"_max_combine", "_bf16_bits"} <= seen and not wrong, wrong
 
 
 def test_ptx_uses_ieee_division():
-    """Every kernel compiles for H100 (sm_90) and A100 (sm_80), and every division in it is
+    """Every kernel (the `int8_g*` GEMM too, which divides nowhere) compiles for H100 (sm_90) and
+    A100 (sm_80), and every division in it is
     ``div.rn.f32`` (IEEE round to nearest). Triton's plain ``/`` would give ``div.full.f32``
     (approximate) and a reciprocal ``rcp.approx``: neither may appear. The interpreter cannot see
     this difference (numpy divides exactly either way), so this is what catches a ``/`` on CPU."""
@@ -572,6 +590,8 @@ def test_ptx_uses_ieee_division():
             (90,),
         ),
     ]
+    gemm_kernel = kernels._load(interpret=False, source="group_gemm").int8_group_gemm_kernel
+    cases += [(gemm_kernel, *case[:2], False, case[2]) for case in GROUP_GEMM_PTX_CASES]
     for fn, pointers, constexprs, divides, arches in cases:
         for arch in arches:
             ptx = compile_ptx(fn, pointers, constexprs, arch)

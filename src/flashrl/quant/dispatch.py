@@ -15,7 +15,7 @@
 | scheme        | quantizer (weight / activation)  | GEMM on cuda                  | GEMM on cpu          |
 |---------------|----------------------------------|-------------------------------|----------------------|
 | `int8`        | row / row                        | `int8_rowwise_cuda`           | `int8_rowwise_cpu`   |
-| `int8_g*`     | row / group                      | `int8_group` (reference)      | `int8_group`         |
+| `int8_g*`     | row / group                      | `int8_group_cuda`: Triton `int8_group_triton` when `use_triton`, else `int8_group` (reference) | `int8_group` |
 | `fp8`         | tensor / tensor                  | `fp8_tensorwise_cuda`; fused layers (one scale per row) `fp8_rowwise_cuda` | `fp8_rowwise_cpu` |
 | `fp8_channel` | row / row                        | `fp8_rowwise_cuda`            | `fp8_rowwise_cpu`    |
 | `fp8_block`   | block / group                    | `fp8_block` (reference)       | `fp8_block`          |
@@ -69,7 +69,7 @@ GRANULARITY = {
 GEMMS: dict[tuple[GemmKind, Device], Gemm] = {
     ("int8_rowwise", "cuda"): gemm.int8_rowwise_cuda,
     ("int8_rowwise", "cpu"): gemm.int8_rowwise_cpu,
-    ("int8_group", "cuda"): gemm.int8_group,
+    ("int8_group", "cuda"): gemm.int8_group_cuda,
     ("int8_group", "cpu"): gemm.int8_group,
     ("fp8_tensorwise", "cuda"): gemm.fp8_tensorwise_cuda,
     ("fp8_tensorwise", "cpu"): gemm.fp8_rowwise_cpu,

@@ -8,7 +8,8 @@ every function here takes one `GemmArgs`, activations already quantized
 |-----------------------|-----------------------------------------------------|---------------------------------------|
 | `int8_rowwise_cuda`   | `torch._int_mm`, M padded to 17                     | fp32 ``acc * s_x * s_w^T (+ bias)``, then cast |
 | `int8_rowwise_cpu`    | exact fp32 chunks (below); `torch._int_mm` on AMX CPUs | the same                            |
-| `int8_group`          | dequantized 1xg activation groups times the int8 weight codes, fp32 matmul | ``* s_w^T (+ bias)``, then cast |
+| `int8_group_triton`   | Triton: exact int32 `tl.dot` per group of g, ``* s_x[:, g]`` summed in fp32 (`kernels/group_gemm.py`) | ``* s_w^T (+ bias)`` in fp32, then cast |
+| `int8_group`          | reference: dequantized 1xg activation groups times the int8 weight codes, fp32 matmul | ``* s_w^T (+ bias)``, then cast |
 | `fp8_tensorwise_cuda` | `torch._scaled_mm`, one scale each                  | inside the op; bias added after in out dtype |
 | `fp8_rowwise_cuda`    | `torch._scaled_mm`, rowwise ``[M,1] x [1,N]``       | inside the op; bias added after in out dtype |
 | `fp8_rowwise_cpu`     | fp32 matmul of the decoded codes (exact products, another summation order) | fp32 ``* s_x * s_w^T``, cast, bias |
@@ -20,7 +21,9 @@ same products (no CPU has fp8 arithmetic), so the CPU fp8 GEMM is that matmul. C
 `_int_mm` needs M > 16 and K, N multiples of 8; we pad M with zero rows and slice the result back.
 `_scaled_mm` needs K and N multiples of 16, which `check_gemm_shape` enforces at layer creation.
 The blockwise CUDA kernels are not wired in yet: on every device `fp8_block` runs the reference path
-(correct, quantized numerics, but no speed-up); this is logged once on CUDA, never silent.
+(correct, quantized numerics, but no speed-up); this is logged once on CUDA, never silent. `int8_g*`
+on CUDA runs `int8_group_triton` when `kernels.use_triton` allows (`int8_group_cuda`), else the
+reference `int8_group` (logged the same way).
 
 On the CPU, `int8_mm_exact_fp32` computes the int32 product with fp32 matmuls over chunks of at most
 1024 columns of K: each product of two int8 codes is at most 2^14 in magnitude, so every partial
@@ -34,6 +37,7 @@ a 64x576x1536 product, against 3.3 ms; benchmarks/RESULTS.md). CPUs with AMX int
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -41,6 +45,7 @@ import torch
 from flashrl.errors import UnsupportedError
 from flashrl.quant.cpu_mirror import Fp32Mirror
 from flashrl.quant.encode import fp8_to_fp32
+from flashrl.quant.kernels import launch, use_triton
 from flashrl.quant.primitives import dequantize_per_block_shards, dequantize_per_group
 from flashrl.quant.schemes import QuantScheme
 
@@ -170,9 +175,29 @@ def int8_rowwise_cpu(a: GemmArgs) -> torch.Tensor:
     return _fp32_epilogue(acc, a)
 
 
+def int8_group_cuda(a: GemmArgs) -> torch.Tensor:
+    """`int8_g*` on CUDA: the Triton kernel (`kernels.launch.int8_group_gemm`) when
+    `kernels.use_triton` says so (Triton installed, mode ``auto`` or ``triton``), else the reference
+    `int8_group`; the rule is `int8_group_impl`. The kernel takes every shape (masked tiles)."""
+    return int8_group_impl(a.xq)(a)
+
+
+def int8_group_impl(xq: torch.Tensor) -> Callable[[GemmArgs], torch.Tensor]:
+    """Which `int8_g*` GEMM `int8_group_cuda` runs for activation codes `xq`: `int8_group_triton`
+    when `use_triton(xq)`, else `int8_group` (mode ``torch``, or no triton in mode ``auto``)."""
+    return int8_group_triton if use_triton(xq) else int8_group
+
+
+def int8_group_triton(a: GemmArgs) -> torch.Tensor:
+    """`int8_group` as one Triton kernel: exact int32 dot per group, fp32 sum over groups."""
+    return launch.int8_group_gemm(
+        a.xq, a.x_scale, a.wq, a.w_scale, a.scheme.group_size, a.out_dtype, a.bias
+    )
+
+
 def int8_group(a: GemmArgs) -> torch.Tensor:
-    """int8 weights with per-group activation scales (`int8_g*`), a reference path on every device:
-    the scales are applied to the activation codes first (``Y = sum_g s_x[m,g] (Xq_g . Wq_g)
+    """int8 weights with per-group activation scales (`int8_g*`), the reference path (the CPU's,
+    and CUDA's without Triton; `int8_group_cuda`): the scales are applied to the activation codes first (``Y = sum_g s_x[m,g] (Xq_g . Wq_g)
     s_w[n]``, summed in fp32 in another order; no integer kernel takes per-group scales)."""
     _warn_reference_once(a.xq, a.scheme)
     x_deq = dequantize_per_group(a.xq, a.x_scale, a.scheme.group_size)

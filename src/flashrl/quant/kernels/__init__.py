@@ -19,6 +19,10 @@ Where kernels run: CUDA tensors run compiled kernels; CPU tensors run under the 
 which needs ``TRITON_INTERPRET=1`` in the environment at call time (Triton itself reads that
 variable only when a ``@triton.jit`` decorator runs, so this package loads `requant` twice as needed,
 once compiled and once interpreted, and picks per call: a GPU test session can run both).
+
+`group_gemm` holds the GEMM of the `int8_g*` schemes (per-group activation scales, per-row weight
+scales), loaded the same way; `launch.int8_group_gemm` is its host side and
+`flashrl.quant.gemm.int8_group_cuda` picks it with `use_triton`, like the quantizers.
 """
 
 from __future__ import annotations
@@ -140,15 +144,21 @@ def use_triton(x: torch.Tensor) -> bool:
     return choice
 
 
-def _load(interpret: bool) -> ModuleType:
-    """`requant` with its ``@triton.jit`` functions compiled (False) or interpreted (True)."""
-    name = f"{__name__}._requant_{'interpreted' if interpret else 'compiled'}"
+KERNEL_MODULES = ("requant", "group_gemm")
+"""The files of ``@triton.jit`` kernels in this package, each loaded through `_load`."""
+
+
+def _load(interpret: bool, source: str = "requant") -> ModuleType:
+    """Kernel module `source` (`KERNEL_MODULES`) with its ``@triton.jit`` functions compiled
+    (False) or interpreted (True)."""
+    assert source in KERNEL_MODULES, source
+    name = f"{__name__}._{source}_{'interpreted' if interpret else 'compiled'}"
     module = sys.modules.get(name)
     if module is not None:
         return module
     import triton
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("requant.py"))
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{source}.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     knobs = getattr(triton, "knobs", None)
@@ -170,17 +180,19 @@ def _load(interpret: bool) -> ModuleType:
     return module
 
 
-def kernels_for(x: torch.Tensor) -> ModuleType:
-    """The `requant` copy that runs on `x`: interpreted for CPU tensors or under TRITON_INTERPRET=1
-    (Triton's meaning of the variable), compiled otherwise. Raises where neither can run."""
+def kernels_for(x: torch.Tensor, source: str = "requant") -> ModuleType:
+    """The copy of kernel module `source` (`requant`, `group_gemm`) that runs on `x`: interpreted
+    for CPU tensors or under TRITON_INTERPRET=1 (Triton's meaning of the variable), compiled
+    otherwise. Raises where neither can run."""
     reason = unsupported_reason(x)
     if reason is not None:
         raise KernelsUnavailableError(f"Triton quantization kernels cannot run: {reason}")
-    return _load(interpret=interpreter_enabled() or not x.is_cuda)
+    return _load(interpret=interpreter_enabled() or not x.is_cuda, source=source)
 
 
 __all__ = [
     "ENV_VAR",
+    "KERNEL_MODULES",
     "MODES",
     "get_mode",
     "interpreter_enabled",

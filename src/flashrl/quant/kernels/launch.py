@@ -1,6 +1,8 @@
 """Host side of the Triton quantization kernels: argument checks, launch shapes, and one function per
 granularity with the signature of its torch reference in `flashrl.quant.primitives` (bit-identical
-results); `flashrl.quant.dispatch.QUANTIZERS` picks between the two.
+results); `flashrl.quant.dispatch.QUANTIZERS` picks between the two. Also the host side of the
+`int8_g*` GEMM kernel (`int8_group_gemm`, kernel in `group_gemm.py`; reference
+`flashrl.quant.gemm.int8_group`, equal within fp32 summation order).
 
 The `quantize_per_*` functions load the `requant` copy that runs on their input
 (`flashrl.quant.kernels.kernels_for`: compiled for CUDA tensors, interpreted for CPU tensors); the
@@ -270,3 +272,101 @@ def quantize_per_group(
     if check_finite:
         raise_if_not_finite(x, scale, "tensor")
     return out, scale
+
+
+# ------------------------------------------------------------------------------------------------
+# int8_g* GEMM (group_gemm.py)
+# ------------------------------------------------------------------------------------------------
+
+
+GEMM_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Output dtypes of `int8_group_gemm` (each rounded to nearest even from the fp32 result)."""
+
+
+def group_gemm_tiles(m: int, n: int, group: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of `int8_group_gemm`: BLOCK_K is one group (a power of two,
+    at least 16 for ``tl.dot``); small M (decode) takes narrow N tiles so that more programs share
+    the weight read. Untuned: no GPU has timed these (docs/kernels.md)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 32 if m <= 16 else 64 if m <= 64 else 128
+    block_n = min(block_n, max(16, next_power_of_2(n)))
+    return block_m, block_n, max(16, next_power_of_2(group))
+
+
+def _check_group_gemm(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    group: int,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> None:
+    """Raise `InputError` naming the operand whose shape or dtype the kernel cannot take."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    if xq.dtype != torch.int8 or wq.dtype != torch.int8:
+        raise InputError(f"int8_group_gemm takes int8 codes, got {xq.dtype} and {wq.dtype}")
+    if wq.dim() != 2 or wq.shape[1] != k:
+        raise InputError(f"weight codes must be [N, {k}], got {tuple(wq.shape)}")
+    if group < 1 or tuple(x_scale.shape) != (m, cdiv(k, group)):
+        raise InputError(
+            f"activation scales must be [M, ceil(K / group)] = [{m}, {cdiv(k, max(group, 1))}] "
+            f"for group {group}, got {tuple(x_scale.shape)}"
+        )
+    if w_scale.numel() not in (1, n):
+        raise InputError(f"weight scales: one per output row ({n}) or one, got {w_scale.numel()}")
+    if out_dtype not in GEMM_OUT_DTYPES:
+        raise InputError(f"out_dtype {out_dtype} is not one of {GEMM_OUT_DTYPES}")
+    if bias is not None and bias.numel() != n:
+        raise InputError(f"bias must have {n} elements (one per output row), got {bias.numel()}")
+
+
+def int8_group_gemm(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    group: int,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``Y = s_w * sum_g s_x[:, g] (Xq_g @ Wq_g^T) (+ bias)`` in `out_dtype`, one Triton kernel:
+    codes [M, K] and [N, K], activation scales [M, ceil(K/group)] (fp32), weight scales [N] / [N, 1]
+    or one. `flashrl.quant.gemm.int8_group` is its reference."""
+    _check_group_gemm(xq, x_scale, wq, w_scale, group, out_dtype, bias)
+    m, k = xq.shape
+    n = wq.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if y.numel() == 0:
+        return y
+    x_scale = x_scale.to(torch.float32)
+    w_scale = w_scale.reshape(-1).to(torch.float32)
+    bias = None if bias is None else bias.reshape(-1).contiguous()
+    block_m, block_n, block_k = group_gemm_tiles(m, n, group)
+    kernels_for(xq, "group_gemm").int8_group_gemm_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
+        xq,
+        x_scale,
+        wq,
+        w_scale,
+        y if bias is None else bias,  # never read without HAS_BIAS
+        y.view(torch.int16) if out_dtype == torch.bfloat16 else y,
+        m,
+        n,
+        k,
+        x_scale.shape[1],
+        *xq.stride(),
+        *x_scale.stride(),
+        *wq.stride(),
+        0 if w_scale.numel() == 1 else w_scale.stride(0),
+        *y.stride(),
+        GROUP=group,
+        HAS_BIAS=bias is not None,
+        OUT_BF16=out_dtype == torch.bfloat16,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+        **LAUNCH_OPTIONS,
+    )
+    return y
