@@ -1,7 +1,8 @@
 """The policy-loss registry (`algo.policy_loss`): GSPO against a float64 re-implementation of verl's
 ``compute_policy_loss_gspo`` (loss and gradient to 1e-6 relative: the losses compute in fp32), REINFORCE against its on-policy
-gradient ``-A grad log pi``, PPO-clip through the registry bit-identical to `ppo_clip_loss`, and the
-config's refusals."""
+gradient ``-A grad log pi``, PPO-clip through the registry bit-identical to `ppo_clip_loss`, the
+config's refusals; the loss object (`Objective`) against its formula in float64, `ppo_update`
+minimizing a hand-made one, and the advantage registry taking a new estimator."""
 
 from __future__ import annotations
 
@@ -146,3 +147,94 @@ def test_train_with_another_policy_loss(flags, stat, tmp_path, flashrl_logger):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(stat in r and r["actor/grad_norm"] > 0 for r in rows)
     assert all("actor/pg_clipfrac_dual" not in r for r in rows)
+
+
+# ------------------------------------------------------------------------------------ the objective
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_the_objective_is_the_named_loss_plus_the_k3_penalty_in_float64(aggregation, gen):
+    """`Objective.from_algo` + its call against the formula written out: the registered loss with
+    the algo's clip range and the mini-batch's denominator, plus kl_coef * sum(k3 * mask) / denom,
+    k3 = exp(ref - lp) - (ref - lp) - 1; the denominator is the valid tokens (token_mean) or the
+    rows."""
+    from flashrl.rl.policy_loss import Objective
+
+    lp, old, adv, mask, weights = batch(gen)
+    ref = lp + torch.randn(lp.shape, generator=gen, dtype=torch.float64) * 0.1
+    values = {"algo.kl_coef": 0.3, "algo.clip_low": 0.1, "algo.loss_aggregation": aggregation}
+    objective = Objective.from_algo(build_config("tiny-cpu", None, values).algo)
+    denominator = objective.denominator(mask)
+    assert denominator == (float(mask.sum()) if aggregation == "token_mean" else 6.0)
+    got, stats = objective(lp, old, adv, mask, weights, ref, denominator)
+    pg, _ = ppo_clip_loss(lp, old, adv, mask, weights, clip_low=0.1, clip_high=0.28,
+                          aggregation=aggregation, loss_scale_denominator=denominator,
+                          max_length=16)  # fmt: skip
+    d = ref - lp
+    kl = ((d.exp() - d - 1) * mask).sum() / denominator
+    assert torch.allclose(got, pg + 0.3 * kl, rtol=1e-12, atol=0)
+    assert stats["kl_ref"] == pytest.approx(float(kl), rel=1e-12)
+    plain, plain_stats = objective(lp, old, adv, mask, weights, None, denominator)
+    assert torch.equal(plain, pg) and "kl_ref" not in plain_stats
+    assert objective.denominator(torch.zeros_like(mask)) == (
+        1.0 if aggregation == "token_mean" else 6.0
+    )
+
+
+class Rows:
+    """A stand-in batch of `n` rows: `ppo_update` reads its length, rows and advantages."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.advantages = n, torch.zeros(n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def select(self, sub: slice) -> Rows:
+        return Rows(len(range(*sub.indices(self.n))))
+
+
+def test_ppo_update_minimizes_the_objective_it_is_given():
+    """The seam of a new algorithm: `ppo_update` minimizes the loss object it is handed (here plain
+    likelihood, -sum(lp * mask) / denominator, over a one-weight policy with lp = w - 1 per token),
+    cutting 4 rows into 2 mini-batches of 1-row micro-batches, each scaled by its mini-batch's 6
+    tokens: every micro-batch's gradient is -0.5, so each SGD step moves w by 0.1."""
+    from types import SimpleNamespace
+
+    from flashrl.rl.phases.update import OptimizerSteps, UpdateBatch, ppo_update
+    from flashrl.rl.policy_loss import Objective
+
+    denominators = []
+
+    def likelihood(lp, old, adv, mask, weights, o):
+        denominators.append(o.denominator)
+        return -(lp * mask).sum() / o.denominator, {"pg_loss": 1.0}
+
+    policy = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    corr = SimpleNamespace(mask=torch.ones(4, 3, dtype=torch.bool), weights=torch.ones(4, 3))
+    data = UpdateBatch(Rows(4), corr, torch.zeros(4, 3), None)
+    before = float(policy.weight.detach())
+    stats = ppo_update(policy, optimizer, data, Objective(likelihood),
+                       lambda part: policy.weight.expand(len(part), 3) - 1.0,
+                       OptimizerSteps(mini_batches=2, micro_batch_size=1, grad_clip=0.0, lr=0.1))  # fmt: skip
+    assert denominators == [6.0] * 4
+    assert float(policy.weight.detach()) == pytest.approx(before + 0.2, abs=1e-6)
+    assert stats == {"pg_loss": 1.0, "grad_norm": pytest.approx(1.0)}
+
+
+def test_a_registered_advantage_estimator_is_selectable_by_name(monkeypatch):
+    """The advantage registry: one function and one entry make `algo.advantage` accept the name
+    and `group_advantages` run it (per group of `group_size` rows)."""
+    from flashrl.rl import algo
+
+    monkeypatch.setitem(
+        algo.ADVANTAGES, "max_baseline", lambda g, norm, eps: g - g.max(1, True).values
+    )
+    config = build_config("tiny-cpu", None, {"algo.advantage": "max_baseline"})
+    assert config.algo.advantage == "max_baseline"
+    rewards = torch.tensor([1.0, 0.0, 3.0, 2.0])
+    got = algo.group_advantages(rewards, 2, config.algo.advantage)
+    assert torch.equal(got, torch.tensor([0.0, -1.0, 0.0, -1.0]))
+    with pytest.raises(ConfigError, match="allowed: grpo, drgrpo, rloo, max_baseline"):
+        build_config("tiny-cpu", None, {"algo.advantage": "max"})

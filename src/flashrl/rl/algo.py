@@ -14,18 +14,47 @@ Rewards come prompt-major: the `group_size` samples of a prompt are adjacent.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flashrl.errors import ConfigError, InputError
 from flashrl.masked import LOG_RATIO_CLAMP
 
-ADVANTAGES = ("grpo", "drgrpo", "rloo")
+AdvantageFn = Callable[[torch.Tensor, bool, float], torch.Tensor]
+"""(rewards [groups, group_size], norm_by_std, eps) -> advantages of the same shape."""
 
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise InputError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     return rewards.float().view(-1, group_size)
+
+
+def grpo(g: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:
+    """(r_i - mean_g) / (std_g + eps); without `norm_by_std` (or with one sample) r_i - mean_g."""
+    centered = g - g.mean(dim=1, keepdim=True)
+    if norm_by_std and g.shape[1] > 1:
+        return centered / (g.std(dim=1, keepdim=True) + eps)
+    return centered
+
+
+def drgrpo(g: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:
+    """r_i - mean_g, never divided by the std (Dr. GRPO's point); `norm_by_std` is ignored."""
+    return g - g.mean(dim=1, keepdim=True)
+
+
+def rloo(g: torch.Tensor, norm_by_std: bool, eps: float) -> torch.Tensor:
+    """r_i - the mean of the group's other samples = n/(n-1) (r_i - mean_g)."""
+    group_size = g.shape[1]
+    if group_size < 2:
+        raise ConfigError("rloo needs group_size >= 2")
+    return (g - g.mean(dim=1, keepdim=True)) * group_size / (group_size - 1)
+
+
+ADVANTAGES: dict[str, AdvantageFn] = {"grpo": grpo, "drgrpo": drgrpo, "rloo": rloo}
+"""The advantage estimators `algo.advantage` selects by name; a new one is a function of
+`AdvantageFn`'s signature and a line here."""
 
 
 def group_advantages(
@@ -35,20 +64,13 @@ def group_advantages(
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Per-sample advantages [N] from rewards [N]; see the module table."""
+    """Per-sample advantages [N] from rewards [N] by the estimator `ADVANTAGES` names (module
+    table)."""
     if estimator not in ADVANTAGES:
         raise ConfigError(
             f"advantage estimator {estimator!r} is invalid; allowed: {', '.join(ADVANTAGES)}"
         )
-    g = _groups(rewards, group_size)
-    centered = g - g.mean(dim=1, keepdim=True)
-    if estimator == "rloo":
-        if group_size < 2:
-            raise ConfigError("rloo needs group_size >= 2")
-        return (centered * group_size / (group_size - 1)).reshape(-1)
-    if estimator == "grpo" and norm_by_std and group_size > 1:
-        return (centered / (g.std(dim=1, keepdim=True) + eps)).reshape(-1)
-    return centered.reshape(-1)
+    return ADVANTAGES[estimator](_groups(rewards, group_size), norm_by_std, eps).reshape(-1)
 
 
 def overlong_penalty(

@@ -9,10 +9,10 @@ policy update.
    rejection masks and mismatch metrics. Decoupled mode: the PPO ratio is taken against the
    trainer's own recompute and the weights correct pi_old / pi_rollout; bypass: the ratio is taken
    against the rollout logprobs and the weights only carry rejection.
-3. `ppo_update`: the policy loss `algo.policy_loss` names (PPO-clip by default;
-   `flashrl.rl.policy_loss`) over mini-batches of micro-batches, with the correction's mask and
-   weights, an optional k3 KL penalty to the reference, gradient clipping and one optimizer step
-   per mini-batch.
+3. `ppo_update`: one loss object, the `Objective` (`flashrl.rl.policy_loss`: the policy loss
+   `algo.policy_loss` names, PPO-clip by default, and an optional k3 KL penalty to the reference),
+   minimized over mini-batches of micro-batches with the correction's mask and weights, gradient
+   clipping and one optimizer step per mini-batch.
 """
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ import torch
 from flashrl.core.rollout import Rollout
 from flashrl.core.sampling import SamplingParams
 from flashrl.correction.compute import Correction, compute_correction
-from flashrl.rl import algo
 from flashrl.rl.batch import Batch, response_logprobs
-from flashrl.rl.config import AlgoConfig, TrainConfig
+from flashrl.rl.config import TrainConfig
 from flashrl.rl.phases.score import Scored
-from flashrl.rl.policy_loss import LossOptions, get_policy_loss
+from flashrl.rl.policy_loss import Objective
 from flashrl.rl.routing_replay import build_batch, replay_routing
 from flashrl.utils import synchronize
 
@@ -51,7 +50,7 @@ class Updated:
 
 class Learner:
     """What the update phase trains: the policy, the frozen reference (None without a KL
-    penalty) and the optimizer, with the run's settings."""
+    penalty) and the optimizer, with the run's settings and the `Objective` it minimizes."""
 
     def __init__(
         self,
@@ -61,9 +60,12 @@ class Learner:
         config: TrainConfig,
         sampling: SamplingParams,
         device: torch.device,
+        objective: Objective | None = None,
     ) -> None:
         self.policy, self.reference, self.optimizer = policy, reference, optimizer
         self.config, self.sampling, self.device = config, sampling, device
+        self.objective = objective or Objective.from_algo(config.algo)
+        """The loss object (default: the one `algo.*` names)."""
 
     def update(self, rollouts: list[Rollout], scored: Scored, step: int) -> Updated:
         """Update the policy on the rows `scored.keep` marks (at least one)."""
@@ -90,17 +92,15 @@ class Learner:
         start = time.perf_counter()
         self.policy.train()
         lr = self.lr(step)
+        a = self.config.algo
+        steps = OptimizerSteps(a.mini_batches, self.config.run.micro_batch_size, a.grad_clip, lr)
         actor = ppo_update(
             self.policy,
             self.optimizer,
-            batch,
-            corr,
-            ratio_base,
-            ref,
+            UpdateBatch(batch, corr, ratio_base, ref),
+            self.objective,
             lambda part: self.logprobs(self.policy, part)[0],
-            self.config.algo,
-            self.config.run.micro_batch_size,
-            lr,
+            steps,
         )
         synchronize(self.device)
         times["train_s"] = time.perf_counter() - start
@@ -131,70 +131,61 @@ class Learner:
         return c.lr
 
 
+@dataclass(frozen=True)
+class UpdateBatch:
+    """What one step's update trains on: the kept rows, their correction (mask and weights), the
+    logprobs the ratio is taken against and the reference's (None without a KL penalty)."""
+
+    batch: Batch
+    corr: Correction
+    ratio_base: torch.Tensor
+    ref: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class OptimizerSteps:
+    """How a batch becomes optimizer steps: `mini_batches` steps of `micro_batch_size`-row
+    forward/backward passes, the gradient clipped to `grad_clip` (0: no clipping), at `lr`."""
+
+    mini_batches: int
+    micro_batch_size: int
+    grad_clip: float
+    lr: float
+
+
 def ppo_update(
     policy: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    corr: Correction,
-    ratio_base: torch.Tensor,
-    ref: torch.Tensor | None,
+    data: UpdateBatch,
+    objective: Objective,
     logprobs: LogprobsFn,
-    algo_config: AlgoConfig,
-    micro_batch_size: int,
-    lr: float,
+    steps: OptimizerSteps,
 ) -> dict[str, float]:
-    """Run `algo_config.mini_batches` optimizer steps over `batch`; returns the mean loss stats
-    (``actor/*`` without the prefix) and ``grad_norm`` (mean over mini-batches)."""
-    c = algo_config
+    """Minimize `objective` over `data` in `steps.mini_batches` optimizer steps; returns the mean
+    loss stats (``actor/*`` without the prefix) and ``grad_norm`` (mean over mini-batches)."""
     stats_sum: dict[str, float] = {}
     grad_norms: list[float] = []
     count = 0
-    mini = len(batch) // c.mini_batches
-    for m in range(c.mini_batches):
+    mini = len(data.batch) // steps.mini_batches
+    for m in range(steps.mini_batches):
         rows = slice(m * mini, (m + 1) * mini)
-        mb_mask = corr.mask[rows]
-        denominator = float(mb_mask.sum()) if c.loss_aggregation == "token_mean" else float(mini)
+        denominator = objective.denominator(data.corr.mask[rows])
         for lr_group in optimizer.param_groups:
-            lr_group["lr"] = lr
-        for start in range(rows.start, rows.stop, micro_batch_size):
-            sub = slice(start, min(start + micro_batch_size, rows.stop))
-            loss, stats = _micro_loss(batch.select(sub), sub, corr, ratio_base, ref, logprobs, c,
-                                      max(denominator, 1.0))  # fmt: skip
+            lr_group["lr"] = steps.lr
+        for start in range(rows.start, rows.stop, steps.micro_batch_size):
+            sub = slice(start, min(start + steps.micro_batch_size, rows.stop))
+            part, corr = data.batch.select(sub), data.corr
+            ref = data.ref[sub] if data.ref is not None else None
+            loss, stats = objective(logprobs(part), data.ratio_base[sub], part.advantages,
+                                    corr.mask[sub], corr.weights[sub], ref, denominator)  # fmt: skip
             loss.backward()
             for k, v in stats.items():
                 stats_sum[k] = stats_sum.get(k, 0.0) + v
             count += 1
-        max_norm = c.grad_clip if c.grad_clip > 0 else math.inf
+        max_norm = steps.grad_clip if steps.grad_clip > 0 else math.inf
         grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     out = {k: v / count for k, v in stats_sum.items()}
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     return out
-
-
-def _micro_loss(
-    part: Batch,
-    sub: slice,
-    corr: Correction,
-    ratio_base: torch.Tensor,
-    ref: torch.Tensor | None,
-    logprobs: LogprobsFn,
-    c: AlgoConfig,
-    denominator: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The policy loss (plus the KL penalty) of rows `sub`, scaled to the mini-batch."""
-    lp = logprobs(part)
-    options = LossOptions(
-        c.clip_low, c.clip_high, c.dual_clip, c.loss_aggregation, denominator, c.max_response_tokens
-    )
-    policy_loss = get_policy_loss(c.policy_loss)
-    loss, stats = policy_loss(
-        lp, ratio_base[sub], part.advantages, corr.mask[sub], corr.weights[sub], options
-    )
-    if ref is not None:
-        kl = algo.kl_penalty(lp, ref[sub], "k3")
-        kl_loss = (kl * corr.mask[sub]).sum() / denominator
-        loss = loss + c.kl_coef * kl_loss
-        stats["kl_ref"] = kl_loss.item()
-    return loss, stats
