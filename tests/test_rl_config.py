@@ -16,7 +16,7 @@ from flashrl.core.config import RolloutConfig
 from flashrl.correction import CorrectionConfig
 from flashrl.errors import CheckpointError, ConfigError
 from flashrl.rl.checkpoint import config_differences
-from flashrl.rl.config import RESUME_FREE_FIELDS, TrainConfig, field_names
+from flashrl.rl.config import RESUME_FREE_FIELDS, TrainConfig, field_names, group_classes
 from flashrl.rl.config_build import build_config, stored_values
 from flashrl.rl.plan import check_resume_config
 from flashrl.rl.renamed import FLAT_RENAMED
@@ -354,12 +354,7 @@ def test_coerce_errors(hint, value, message):
 
 @dataclasses.dataclass
 class _Demo:
-    """A demo.
-
-    Attributes:
-        documented: from the class docstring
-            (two lines).
-    """
+    """A demo."""
 
     required: str
     """Needed."""
@@ -368,6 +363,8 @@ class _Demo:
     """A switch with 50 % more."""
     mode: bool | None = dataclasses.field(default=None, metadata={"words": {"auto": None}})
     documented: float = 1.0
+    """from the docstring under the field
+    (two lines)."""
 
 
 def _parse(argv):
@@ -385,7 +382,7 @@ def test_fields_become_flags_with_their_docs(capsys):
     assert flags.field_docs(_Demo) == {
         "required": "Needed.",
         "on": "A switch with 50 % more.",
-        "documented": "from the class docstring (two lines).",
+        "documented": "from the docstring under the field (two lines).",
     }
     parser.print_help()
     help_text = " ".join(capsys.readouterr().out.split())
@@ -423,3 +420,15 @@ def test_the_bf16_lag_is_warned_exactly_where_it_applies(values, warned):
     assert (message is not None) == warned
     if warned:
         assert "--rollout.sync-rounding stochastic" in message and "rollout.dtype fp32" in message
+
+
+def test_every_train_flag_has_help():
+    """`flashrl train --help` explains every flag: each field of every TrainConfig group has a
+    docstring (it is the flag's help)."""
+    missing = [
+        f"{group}.{f.name}"
+        for group, cls in group_classes().items()
+        for f in dataclasses.fields(cls)
+        if f.name not in flags.field_docs(cls)
+    ]
+    assert missing == []

@@ -178,10 +178,15 @@ class RolloutConfig:
     skip: tuple[str, ...] = setting(DEFAULT_SKIP, check=_check_skip)
     """Linear layers kept in high precision (globs over module names, or ``re:`` regexes)."""
     kv_cache_dtype: str = choice("bf16", KV_CACHE_DTYPES)
+    """KV cache: ``bf16`` (the activation dtype, not quantized) or ``fp8`` (e4m3 codes, fp32
+    scales; docs/kv_cache.md)."""
     kv_scale: str | float = setting("calibrated", check=_check_kv_scale)
     """FP8 KV scales: recalibrated after each weight update, computed per step, or a fixed float."""
     lm_head_fp32: bool = setting(False, check=_check_bool)
+    """Compute the LM head in fp32 (logits and logprobs a little closer to an fp32 trainer)."""
     logprobs_mode: str = choice("processed", LOGPROB_MODES)
+    """Rollout logprobs under the distribution sampled from, after temperature and top-k/top-p
+    (``processed``, what importance sampling needs), or of the raw logits (``raw``)."""
     sync_rounding: str = choice("nearest", SYNC_ROUNDINGS)
     """How updated weights are rounded to the rollout grid (bf16 values, int8 / fp8 codes):
     ``nearest``, or ``stochastic`` (unbiased, so updates below half a grid step survive on

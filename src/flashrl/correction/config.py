@@ -34,38 +34,36 @@ __all__ = ["PRESETS", "CorrectionConfig"]
 class CorrectionConfig:
     """How to weight and reject tokens; validated on construction (see ``docs/correction.md``).
 
-    Attributes:
-        mode: ``"decoupled"`` (ratio = pi_old / pi_roll) or ``"bypass"`` (ratio = pi_cur / pi_roll;
-            IS weights are then computed for metrics only, never multiplied into a PPO-clip loss).
-        weight: ``"none" | "token_tis" | "token_mis" | "seq_tis" | "seq_mis"``.
-        cap: C for the ``*_tis`` weights, the upper bound of ``seq_mis`` when no band is given, and
-            the diagnostic band ``[1/C, C]`` of the ``rollout_is_*`` metrics (a ``*_mis`` weight
-            uses its band there, as verl does). Must be >= 1.
-        band: ``(lo, hi)`` on rho for ``token_mis`` / ``seq_mis``; None means ``ICEPOP_BAND`` for
-            ``token_mis`` and ``(0, cap)`` for ``seq_mis``. Other weights reject a band.
-        rejection: verl ``rollout_rs`` option names, plus flashrl's ``token_rho``, ``seq_sum_rho``,
-            ``seq_mean_rho`` (``REJECTION_OPTIONS``), AND-combined.
-        rejection_thresholds: one entry per option, or one entry broadcast to all, or empty for the
-            defaults (``DEFAULT_REJECTION_THRESHOLDS``, and ``(1/cap, cap)`` for ``token_k1`` and
-            ``token_rho``). A k1 option takes ``(lo, hi)`` bounds on ``exp(k1) = 1/rho`` (verl's
-            rule), a rho option the same bounds on rho itself; a bare ``x`` means ``(1/x, x)``
-            (the same band either way). k2 and k3 options take an upper bound.
-        batch_normalize: divide the weights by their mean over every valid token, before rejection
-            (verl's order; ``seq_*``: over the sequences with a valid token). Decoupled mode only.
-        log_ratio_clamp: log-ratios are clamped to +-this before ``exp``.
-
     Presets (classmethods, after verl's factory methods): ``disabled``, ``token_tis``, ``seq_tis``,
     ``token_mis``, ``seq_mis``, ``seq_is_rs``, ``geo_rs``, ``k3_rs``; ``from_preset(name, **kw)``.
     """
 
     mode: str = "decoupled"
+    """``decoupled`` (ratio = pi_old / pi_roll) or ``bypass`` (ratio = pi_cur / pi_roll; IS weights
+    are then computed for metrics only, never multiplied into a PPO-clip loss)."""
     weight: str = "token_tis"
+    """``none``, ``token_tis``, ``token_mis``, ``seq_tis`` or ``seq_mis``."""
     cap: float = 2.0
+    """C for the ``*_tis`` weights, the upper bound of ``seq_mis`` when no band is given, and the
+    diagnostic band ``[1/C, C]`` of the ``rollout_is_*`` metrics (a ``*_mis`` weight uses its band
+    there, as verl does). Must be >= 1."""
     band: tuple[float, float] | None = None
+    """``(lo, hi)`` on rho for ``token_mis`` / ``seq_mis``; None means ``ICEPOP_BAND`` for
+    ``token_mis`` and ``(0, cap)`` for ``seq_mis``. Other weights reject a band."""
     rejection: tuple[str, ...] = ()
+    """verl ``rollout_rs`` option names, plus flashrl's ``token_rho``, ``seq_sum_rho``,
+    ``seq_mean_rho`` (``REJECTION_OPTIONS``), AND-combined."""
     rejection_thresholds: tuple[Threshold, ...] = ()
+    """One entry per option, or one entry broadcast to all, or empty for the defaults
+    (``DEFAULT_REJECTION_THRESHOLDS``, and ``(1/cap, cap)`` for ``token_k1`` and ``token_rho``). A
+    k1 option takes ``(lo, hi)`` bounds on ``exp(k1) = 1/rho`` (verl's rule), a rho option the same
+    bounds on rho itself; a bare ``x`` means ``(1/x, x)`` (the same band either way). k2 and k3
+    options take an upper bound."""
     batch_normalize: bool = False
+    """Divide the weights by their mean over every valid token, before rejection (verl's order;
+    ``seq_*``: over the sequences with a valid token). Decoupled mode only."""
     log_ratio_clamp: float = LOG_RATIO_CLAMP
+    """Log-ratios are clamped to +-this before ``exp``."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

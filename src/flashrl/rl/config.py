@@ -64,19 +64,33 @@ class AlgoConfig:
     batch_size: int = integer(128)
     """Sequences per step: prompts per step times group_size."""
     group_size: int = integer(8)
+    """Samples per prompt; advantages are computed within each group."""
     temperature: float = 1.0
+    """Sampling temperature of the rollouts (the trainer's logprobs replay it)."""
     top_k: int = 0
+    """Sample from the k most likely tokens only; 0: no top-k cut."""
     top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens with this much probability; 1: no cut."""
     max_prompt_tokens: int = integer(64)
+    """Prompt tokens kept per prompt (longer prompts keep their end: the question and the
+    generation prompt)."""
     max_response_tokens: int = integer(16)
+    """Tokens generated per response at most (a longer one is truncated)."""
     advantage: str = choice("grpo", ADVANTAGES)
+    """The advantage estimator, a name of `flashrl.rl.algo.ADVANTAGES`: grpo, drgrpo, rloo."""
     norm_adv_by_std: bool = True
+    """grpo: divide each group's centred rewards by their standard deviation."""
     policy_loss: str = choice("ppo_clip", POLICY_LOSSES)
     """A name of `flashrl.rl.policy_loss.POLICY_LOSSES`: ppo_clip, gspo, reinforce."""
     loss_aggregation: str = choice("token_mean", AGGREGATIONS)
+    """How per-token losses become one number (verl's loss_agg_mode): token_mean,
+    seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm."""
     clip_low: float = 0.2
+    """PPO clip range below 1: the ratio is clipped at 1 - clip_low."""
     clip_high: float = 0.28
+    """PPO clip range above 1: the ratio is clipped at 1 + clip_high (DAPO clip-higher)."""
     dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -c A; None: off."""
     mini_batches: int = integer(1)
     """Optimizer steps per rollout batch (1 = on-policy)."""
     lr: float = number(
@@ -86,16 +100,24 @@ class AlgoConfig:
         note="AdamW moves each weight by about lr per step",
         resume_free=True,
     )
+    """AdamW learning rate (after warmup)."""
     weight_decay: float = number(0.0, at_least=0, note="0: no weight decay")
+    """AdamW weight decay (0: none)."""
     warmup_steps: int = integer(0, least=0, note="0: no warmup")
+    """Steps over which the learning rate rises linearly to algo.lr (0: none)."""
     grad_clip: float = number(1.0, at_least=0, note="0: no clipping")
+    """Clip the gradient's global norm to this (0: no clipping)."""
     kl_coef: float = number(0.0, at_least=0, note="0: no KL penalty")
     """Weight of a k3 KL penalty to the initial policy (0 = no reference model)."""
     overlong_buffer: int = integer(0, least=0, note="0: no overlong penalty")
+    """DAPO overlong penalty: responses longer than max_response_tokens - overlong_buffer lose
+    reward linearly, up to overlong_penalty at the limit (0: off)."""
     overlong_penalty: float = number(
         1.0, at_least=0, note="a negative one would reward overlong answers"
     )
+    """The reward an overlong response loses at max_response_tokens (see overlong_buffer)."""
     dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop the groups whose rewards are all equal (no advantage)."""
     routing_replay: bool = False
     """MoE models: the trainer's forward uses the experts the rollout engine chose for each token
     (`flashrl.rl.routing_replay`; built-in engine in the trainer's process)."""
@@ -106,12 +128,17 @@ class RunConfig:
     """How the run is laid out: its length, the trainer's machine, outputs and checkpoints."""
 
     steps: int = integer(60, resume_free=True)
+    """RL steps (rollout, update, weight update) of the run."""
     seed: int = 0
+    """Seeds the prompts (their order, the built-in task's problems) and the rollouts' sampling."""
     device: str | None = setting(None, resume_free=True)
+    """The trainer's device: cpu, cuda or cuda:N; None: CUDA when available."""
     trainer_dtype: str = choice("fp32", TRAINER_DTYPES)
+    """The trainer's weights and compute: fp32 or bf16."""
     micro_batch_size: int = integer(64, resume_free=True)
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
     output_dir: str = setting("runs/flashrl", check=_check_output_dir, resume_free=True)
+    """Where metrics.jsonl, samples.jsonl, checkpoints and plots go (created if missing)."""
     save_every: int = integer(0, least=0, note="0: save only at the end", resume_free=True)
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_last: int | None = integer(None, note="none: keep every checkpoint", resume_free=True)
@@ -125,6 +152,7 @@ class RunConfig:
     """Let a fresh run delete the run already in output_dir (its metrics, checkpoints, plots), and a
     resume from an older checkpoint delete the newer ones."""
     plot: bool = setting(True, resume_free=True)
+    """Draw reward, mismatch and step-time plots into output_dir (needs flashrl[plot])."""
     samples_per_step: int = integer(4, least=0, note="0: none", resume_free=True)
     """Rollouts written to samples.jsonl per step (one per prompt group; 0: none)."""
     print_samples_every: int = integer(50, least=0, note="0: never", resume_free=True)

@@ -27,15 +27,22 @@ class DataConfig:
     path: str | None = None
     """A local .jsonl / .json / .parquet dataset; None uses the built-in arithmetic task."""
     prompt_field: str = "question"
+    """The dataset field that holds the prompt (GSM8K: question)."""
     answer_field: str = "answer"
+    """The dataset field that holds the reference answer the reward compares against."""
     prompt_template: str = "{prompt}"
+    """How a dataset prompt is worded; must contain {prompt} (e.g. "{prompt} Answer after ####.")."""
     chat_template: bool = True
     """Wrap prompts in the model's chat template when it has one."""
     system_prompt: str | None = None
+    """A system turn before each prompt (chat template only); None: no system turn."""
     reward: str = choice("exact_match", REWARDS)
+    """How a response is scored against the answer: a name of `flashrl.rl.rewards.REWARDS`
+    (exact_match, numeric, math_verify, or one registered with `register_reward`)."""
     task_max_operand: int = 99
     """Largest operand of the built-in arithmetic task."""
     task_min_operand: int = 0
+    """Smallest operand of the built-in arithmetic task."""
     task_ops: str = "+"
     """Operators of the built-in arithmetic task."""
     task_template: str = TASK_TEMPLATE
@@ -126,7 +133,7 @@ class FileDataset:
             if missing:
                 raise InputError(
                     f"dataset {self.path}: row {number} has no field(s) {', '.join(map(repr, missing))}; fields found: "
-                    f"{', '.join(map(str, row))} (choose them with --prompt-field / --answer-field)"
+                    f"{', '.join(map(str, row))} (choose them with --data.prompt-field / --data.answer-field)"
                 )
         try:
             self.examples = [

@@ -26,13 +26,11 @@ from flashrl.rl.values import coerce, kinds
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> its documentation: the string literal under the field (attribute docstring)
-    or, failing that, its entry in an ``Attributes:`` section of the class docstring."""
+    """Field name -> its documentation: the string literal under the field (attribute docstring)."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
             continue
-        docs.update(_attribute_section(klass.__doc__ or ""))
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
         except (OSError, TypeError, SyntaxError):
@@ -48,26 +46,6 @@ def field_docs(cls: type) -> dict[str, str]:
             ):
                 docs[node.target.id] = " ".join(after.value.value.split())
     return docs
-
-
-def _attribute_section(doc: str) -> dict[str, str]:
-    """``name: text`` entries of a Google-style ``Attributes:`` docstring section."""
-    out: dict[str, str] = {}
-    lines = inspect.cleandoc(doc).splitlines()
-    if "Attributes:" not in lines:
-        return out
-    name = None
-    for line in lines[lines.index("Attributes:") + 1 :]:
-        if line and not line.startswith(" "):
-            break
-        text = line.strip()
-        head, colon, rest = text.partition(":")
-        entry = line.startswith("    ") and not line.startswith("     ")
-        if colon and entry and head.isidentifier():
-            name, out[head] = head, rest.strip()
-        elif name and text:
-            out[name] += " " + text
-    return out
 
 
 def flag(name: str, prefix: str = "") -> str:
