@@ -27,7 +27,7 @@ import torch
 from _common import device_name, format_table, write_json
 from flashrl.core.config import RolloutConfig
 from flashrl.core.sampling import SamplingParams
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.quant import dispatch, gemm
 from flashrl.quant.dispatch import quantize_activation, quantize_weight
 from flashrl.quant.schemes import get_scheme
@@ -91,11 +91,10 @@ def gemm_rows(rounds: int) -> list[dict]:
 def engine_rows(schemes: list[str], batch: int, tokens: int, rounds: int) -> list[dict]:
     model_dir = resolve_model("builtin:smollm2-135m")
     variants = [("int8", False)] + [(s, via) for s in schemes for via in (True, False)]
-    engines = {
-        v: Engine(model_dir, RolloutConfig(quant=v[0]), dtype="bf16", max_len=128 + tokens,
-                  max_batch=batch, progress=False)
-        for v in variants
-    }  # fmt: skip
+    engine_config = EngineConfig(
+        dtype="bf16", max_len=128 + tokens, max_batch=batch, progress=False
+    )
+    engines = {v: Engine(model_dir, RolloutConfig(quant=v[0]), engine_config) for v in variants}
     prompts = (prompts_for(engines[variants[0]], 16) * batch)[:batch]
     params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=0)
     speeds: dict[tuple[str, bool], list[float]] = {v: [] for v in variants}

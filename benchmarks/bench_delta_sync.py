@@ -33,7 +33,7 @@ from flashrl.distributed.delta import DeltaSender, delta_update
 from flashrl.distributed.dense_delta import bit_view
 from flashrl.distributed.install import stored_codes
 from flashrl.distributed.worker import RolloutWorker
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.model.weights import iter_checkpoint
 from flashrl.quant.dispatch import quantize_weight
 from flashrl.quant.schemes import get_scheme
@@ -96,10 +96,10 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
-    factory = functools.partial(
-        Engine, model_dir, rollout_config="int8", dtype="bf16", device="cpu", max_batch=1, max_len=16,
-        progress=False,
-    )  # fmt: skip
+    engine_config = EngineConfig(
+        dtype="bf16", device="cpu", max_batch=1, max_len=16, progress=False
+    )
+    factory = functools.partial(Engine, model_dir, "int8", engine_config)
     workers = {band: RolloutWorker(factory, i, args.threads) for i, band in enumerate((0.0, 0.05))}
     quantized = workers[0.0].quantized
     senders = {band: DeltaSender(band, full_every=0) for band in workers}

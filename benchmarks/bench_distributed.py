@@ -93,7 +93,7 @@ def copy_time(nbytes: int) -> float:
 def part_sync(args: argparse.Namespace) -> dict:
     from flashrl.distributed.config import WorkersConfig
     from flashrl.distributed.pool import WorkerPool
-    from flashrl.engine.engine import Engine
+    from flashrl.engine.engine import Engine, EngineConfig
     from flashrl.tools.bench import random_model_dir
 
     tmp = Path(tempfile.mkdtemp())
@@ -103,10 +103,11 @@ def part_sync(args: argparse.Namespace) -> dict:
         raw = json.loads(path.read_text())
         raw["num_hidden_layers"] = args.layers
         path.write_text(json.dumps(raw))
-    make = functools.partial(
-        Engine, model_dir, dtype="bf16", device="cpu", max_batch=1, max_len=16, progress=False
+    engine_config = EngineConfig(
+        dtype="bf16", device="cpu", max_batch=1, max_len=16, progress=False, load_weights=False
     )
-    local = make(rollout_config="int8", load_weights=False)
+    make = functools.partial(Engine, model_dir, "int8", engine_config)
+    local = make()
     named = list(local.random_weights(seed=1))
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     start = time.perf_counter()
@@ -115,7 +116,7 @@ def part_sync(args: argparse.Namespace) -> dict:
     copy_s = copy_time(nbytes)
     expected = local.model.state_dict()
     pool = WorkerPool(
-        functools.partial(make, rollout_config="int8", load_weights=False),
+        make,
         WorkersConfig(count=args.workers, timeout=1200, bucket_mb=args.bucket_mb),
     )
     rows = []

@@ -25,7 +25,7 @@ import torch
 from _common import device_name, format_table, write_json
 from flashrl.core.config import RolloutConfig
 from flashrl.core.sampling import SamplingParams
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.quant.cpu_mirror import enable_mirrors
 from flashrl.rl.presets import resolve_model
 from mismatch import prompts_for
@@ -35,7 +35,9 @@ def build(model_dir, variant: str, batch: int, max_len: int) -> Engine:
     name, _, sq = variant.replace("+nomirror", "").partition("+sq")
     config = RolloutConfig(quant=name, smooth=float(sq) if sq else None)
     engine = Engine(
-        model_dir, config, dtype="bf16", max_len=max_len, max_batch=batch, progress=False
+        model_dir,
+        config,
+        EngineConfig(dtype="bf16", max_len=max_len, max_batch=batch, progress=False),
     )
     if variant.endswith("+nomirror"):
         enable_mirrors(engine.model, budget_bytes=0)

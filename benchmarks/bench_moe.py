@@ -32,7 +32,7 @@ import torch
 from torch.profiler import profile
 
 from _common import device_name, format_table, time_fn, write_json
-from flashrl.engine import Engine, SamplingParams
+from flashrl.engine import Engine, EngineConfig, SamplingParams
 from flashrl.model.moe import grouped_mm_available
 from flashrl.quant.experts import DenseExperts, QuantExperts
 from flashrl.rl.presets import TINY_MOE_MODEL
@@ -108,8 +108,15 @@ def bench_one(name: str, scheme: str, args: argparse.Namespace, root: Path) -> d
     path = model_dir(name, root / name)
     device = torch.device(args.device)
     max_len = args.prompt_len + args.output_len
-    engine = Engine(path, rollout_config=scheme, dtype="bf16", device=device, progress=False,
-                    load_weights=False, max_batch=args.batch, max_len=max_len)  # fmt: skip
+    engine_config = EngineConfig(
+        dtype="bf16",
+        device=device,
+        progress=False,
+        load_weights=False,
+        max_batch=args.batch,
+        max_len=max_len,
+    )
+    engine = Engine(path, rollout_config=scheme, engine_config=engine_config)
     engine.init_random_weights_()
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size

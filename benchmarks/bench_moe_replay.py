@@ -23,7 +23,7 @@ import transformers
 
 from _common import device_name, format_table, write_json
 from flashrl.correction import compute_correction
-from flashrl.engine import Engine, SamplingParams
+from flashrl.engine import Engine, EngineConfig, SamplingParams
 from flashrl.engine.routing import RoutingBackend
 from flashrl.rl.batch import response_logprobs
 from flashrl.rl.data import ArithmeticTask
@@ -54,8 +54,10 @@ PARAMS = SamplingParams(
 
 
 def bench_scheme(scheme: str, path: Path, trainer, args) -> dict:
-    engine = Engine(path, rollout_config=scheme, dtype="bf16", device="cpu", progress=False,
-                    max_batch=128, max_len=32)  # fmt: skip
+    engine_config = EngineConfig(
+        dtype="bf16", device="cpu", progress=False, max_batch=128, max_len=32
+    )
+    engine = Engine(path, rollout_config=scheme, engine_config=engine_config)
     backend = RoutingBackend(engine)
     task = ArithmeticTask(seed=0, max_operand=PRESET["data.task_max_operand"], ops="+")
     sums: dict[str, float] = {}

@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from _common import device_name, format_table, write_json
-from flashrl.engine import Engine
+from flashrl.core.config import RolloutConfig
+from flashrl.engine import Engine, EngineConfig
 from flashrl.rl.presets import resolve_model
 
 
@@ -36,8 +37,9 @@ def master_update(model_dir: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def bench_scheme(model_dir: Path, scheme: str, repeat: int) -> dict:
+    engine_config = EngineConfig(device="cpu", progress=False, seed=0)
     engines = {
-        mode: Engine(model_dir, scheme, device="cpu", progress=False, seed=0, sync_rounding=mode)
+        mode: Engine(model_dir, RolloutConfig(quant=scheme, sync_rounding=mode), engine_config)
         for mode in ("nearest", "stochastic")
     }
     update = master_update(model_dir, 0)

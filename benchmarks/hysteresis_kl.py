@@ -22,6 +22,7 @@ than syncing every step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -34,7 +35,7 @@ from bench_delta_sync import loopback
 from flashrl.core.sampling import SamplingParams
 from flashrl.distributed.delta import DeltaSender, delta_sync
 from flashrl.distributed.worker import RolloutWorker
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.model.weights import iter_checkpoint
 from flashrl.rl.data import render_prompt
 from flashrl.rl.presets import resolve_model
@@ -65,12 +66,12 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
-    make = functools.partial(
-        Engine, model_dir, device="cpu", max_batch=args.prompts, max_len=512, progress=False, seed=0
-    )
-    reference = make(rollout_config="bf16", dtype="fp32")
+    base = EngineConfig(device="cpu", max_batch=args.prompts, max_len=512, progress=False, seed=0)
+    reference = Engine(model_dir, "bf16", dataclasses.replace(base, dtype="fp32"))
     bands = [float(b) for b in args.bands.split(",")]
-    factory = functools.partial(make, rollout_config=args.quant, dtype="bf16")
+    factory = functools.partial(
+        Engine, model_dir, args.quant, dataclasses.replace(base, dtype="bf16")
+    )
     workers = {b: RolloutWorker(factory, i, args.threads) for i, b in enumerate(bands)}
     senders = {b: DeltaSender(b, full_every=0) for b in bands}
     texts = [render_prompt(reference.tokenizer, t) for t in CALIBRATION_PROMPTS[: args.prompts]]

@@ -39,7 +39,7 @@ from _common import device_name, format_table, write_json
 from flashrl.core.config import RolloutConfig
 from flashrl.core.sampling import SamplingParams
 from flashrl.correction import mismatch_metrics
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.rl.data import render_prompt
 from flashrl.rl.presets import resolve_model
 from flashrl.tools.calibration_prompts import CALIBRATION_PROMPTS
@@ -116,7 +116,9 @@ def main() -> None:
     out = Path(args.out)
     done = json.loads(out.read_text())["rows"] if out.exists() else []
     max_len = 128 + max(lengths)
-    reference = Engine(model_dir, "bf16", dtype="fp32", max_len=max_len, progress=False)
+    reference = Engine(
+        model_dir, "bf16", EngineConfig(dtype="fp32", max_len=max_len, progress=False)
+    )
     prompts = prompts_for(reference, args.prompts)
     for scheme in args.quant.split(","):
         for kv in args.kv.split(","):
@@ -124,7 +126,8 @@ def main() -> None:
                 continue
             name, _, sq = scheme.partition("+sq")
             config = RolloutConfig(quant=name, kv_cache_dtype=kv, smooth=float(sq) if sq else None)
-            engine = Engine(model_dir, config, dtype="bf16", max_len=max_len, progress=False)
+            engine_config = EngineConfig(dtype="bf16", max_len=max_len, progress=False)
+            engine = Engine(model_dir, config, engine_config)
             if config.smooth is not None:
                 other = prompts_for(reference, 2 * args.prompts)[args.prompts :]
                 engine.generate(other, SamplingParams(max_tokens=16, seed=args.seed + 1))

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from _common import device_name, format_table, write_json
 from flashrl.core.sampling import SamplingParams
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.quant.linear import DenseLinear
 from flashrl.rl.presets import resolve_model
 from flashrl.tools.profile_metrics import distribution_mismatch
@@ -141,8 +141,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
-    ref = Engine(model_dir, "bf16", dtype="fp32", max_len=256, progress=False)
-    eng = Engine(model_dir, "bf16", dtype="fp32", max_len=256, progress=False)
+    engine_config = EngineConfig(dtype="fp32", max_len=256, progress=False)
+    ref = Engine(model_dir, "bf16", engine_config)
+    eng = Engine(model_dir, "bf16", engine_config)
     both = prompts_for(ref, 2 * args.prompts)
     sampled = [
         ref.generate(part, SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, seed=seed))

@@ -15,7 +15,7 @@ import json
 import time
 
 from flashrl.core.sampling import SamplingParams
-from flashrl.engine.engine import Engine
+from flashrl.engine.engine import Engine, EngineConfig
 from flashrl.fileio import atomic_write_text
 from flashrl.rl.config_build import build_config
 from flashrl.rl.data import prompt_source, render_prompt
@@ -26,14 +26,13 @@ from flashrl.rl.rewards import get_reward
 def measure(preset: str, prompts: int, samples: int, seed: int) -> list[dict]:
     config = build_config(preset, None, {})
     a, d = config.algo, config.data
-    engine = Engine(
-        resolve_model(config.model),
-        rollout_config="bf16",
+    engine_config = EngineConfig(
         dtype="fp32",
         max_batch=prompts * samples,
         max_len=a.max_prompt_tokens + a.max_response_tokens,
         progress=False,
     )
+    engine = Engine(resolve_model(config.model), "bf16", engine_config)
     tok = engine.tokenizer
     examples = prompt_source(d, seed=seed).batch(0, prompts)
     ids = [

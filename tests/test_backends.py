@@ -10,7 +10,7 @@ import pytest
 
 import flashrl.rl.backends as backends
 from flashrl.core.rollout import RolloutBackend
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.errors import ConfigError
 from flashrl.rl.config_build import build_config
 from flashrl.tools.cli import main
@@ -22,9 +22,10 @@ class ToyBackend:
 
     def __init__(self, request: backends.BackendRequest) -> None:
         rollout = request.config.rollout
-        self.engine = Engine(request.model_dir, rollout.as_rollout_config(), device=request.device,
-                             dtype=rollout.dtype, max_len=request.max_len,
-                             max_batch=request.max_batch, progress=False)  # fmt: skip
+        engine_config = EngineConfig(device=request.device, dtype=rollout.dtype,
+                                     max_len=request.max_len, max_batch=request.max_batch,
+                                     progress=False)  # fmt: skip
+        self.engine = Engine(request.model_dir, rollout.as_rollout_config(), engine_config)
         self.calls = {"generate": 0, "update_weights": 0}
         ToyBackend.last = self
 

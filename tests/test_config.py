@@ -275,13 +275,16 @@ def test_lmhead_fp32_invalid(value):
 
 
 def test_engine_applies_environment(tiny_models, monkeypatch):
-    from flashrl.engine import Engine
+    from flashrl.engine import Engine, EngineConfig
     from flashrl.quant.linear import DenseLinear, QuantLinear
 
     model = tiny_models("qwen2")
     monkeypatch.setenv("FLASHRL_CONFIG", "int8")
     monkeypatch.setenv("FLASHRL_LMHEAD_FP32", "1")
-    engine = Engine(model, device="cpu", progress=False, max_batch=1, max_len=16)
+    cpu = EngineConfig(device="cpu", progress=False, max_len=16)
+    engine = Engine(
+        model, engine_config=EngineConfig(device="cpu", progress=False, max_batch=1, max_len=16)
+    )
     assert engine.config == RolloutConfig(quant="int8", lm_head_fp32=True)
     assert isinstance(engine.model.layers[0].mlp.down_proj, QuantLinear)
     assert (
@@ -290,26 +293,52 @@ def test_engine_applies_environment(tiny_models, monkeypatch):
     )
     monkeypatch.setenv("FLASHRL_CONFIG", "int4")
     with pytest.raises(ValueError, match="FLASHRL_CONFIG='int4' is invalid"):
-        Engine(model, device="cpu", progress=False)
-    assert (
-        Engine(model, rollout_config="bf16", device="cpu", progress=False, max_len=16).config.quant
-        == "bf16"
-    )  # explicit wins
-    assert Engine(model, "bf16", device="cpu", progress=False, max_len=16).config.quant == "bf16"
+        Engine(model, engine_config=EngineConfig(device="cpu", progress=False))
+    assert Engine(model, rollout_config="bf16", engine_config=cpu).config.quant == "bf16"
+    assert Engine(model, "bf16", cpu).config.quant == "bf16"  # explicit wins
 
 
-def test_engine_refuses_quant_and_unknown_keywords(tiny_models):
-    """``quant=`` was the old name of `rollout_config`: refused before anything loads, naming the
-    new spelling (not translated, and not taken as an unknown keyword either)."""
+def test_engine_refuses_keywords_naming_their_config(tiny_models):
+    """`Engine` takes its settings in its two configs only: a field as a keyword is refused before
+    anything loads, naming the config it goes in (``quant=``, the old name of `rollout_config`,
+    too), and an unknown name lists the fields of both configs."""
     from flashrl.engine import Engine
 
     model = tiny_models("qwen2")
-    with pytest.raises(ConfigError, match=r"^Engine: quant= was renamed: pass the scheme as"):
-        Engine(model, quant="int8", device="cpu", progress=False)
-    with pytest.raises(ConfigError, match=r"Engine\(model, 'int8'\) or rollout_config='int8'"):
+    with pytest.raises(ConfigError, match="max_batch"):
+        Engine(model / "missing", max_batch=8)  # before the checkpoint is read
+    got = "Engine got keyword argument(s)"
+    exact = {
+        f"{got} device; pass them in a config: EngineConfig(device=...) as engine_config": dict(
+            device="cpu"
+        ),
+        f"{got} kv_cache_dtype; pass them in a config: a RolloutConfig(kv_cache_dtype=...) as "
+        "rollout_config": dict(kv_cache_dtype="fp8"),
+        f"{got} max_batch, kv_cache_dtype; pass them in a config: EngineConfig(max_batch=...) as "
+        "engine_config, a RolloutConfig(kv_cache_dtype=...) as rollout_config": dict(
+            max_batch=8, kv_cache_dtype="fp8"
+        ),
+        f"{got} quant, progress; pass them in a config: EngineConfig(progress=...) as "
+        "engine_config, a RolloutConfig(quant=...) as rollout_config (or the scheme alone: "
+        "Engine(model, 'int8'))": dict(quant="int8", progress=False),
+    }
+    for message, kwargs in exact.items():
+        with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+            Engine(model, **kwargs)
+    with pytest.raises(ConfigError, match=re.escape("RolloutConfig(quant=...) as rollout_config")):
         Engine(model, "int8", quant="int8")
-    with pytest.raises(ConfigError, match=r"Engine got unknown argument\(s\) \['quantization'\]"):
+    unknown = (
+        f"{got} quantization; quantization: no such setting (Engine takes model_dir, "
+        "rollout_config, engine_config; EngineConfig fields: device, dtype, max_batch"
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(unknown)}.*RolloutConfig fields: quant, "):
         Engine(model, quantization="int8")
+    with pytest.raises(ConfigError, match=r"as engine_config; foo: no such setting \(Engine takes"):
+        Engine(model, max_len=16, foo=1)
+    with pytest.raises(
+        ConfigError, match="^engine_config must be an EngineConfig or None, got dict"
+    ):
+        Engine(model, "int8", {"max_batch": 8})
 
 
 # ------------------------------------------------------------------------------------------------

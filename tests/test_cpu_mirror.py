@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.quant.cpu_mirror import Fp32Mirror, enable_mirrors
 from flashrl.quant.linear import DenseLinear, QuantLinear
 
@@ -96,8 +96,8 @@ def test_engine_update_matches_a_fresh_engine(scheme, tiny_models):
     """Mirrors built before an update serve the updated weights: an engine updated to another
     checkpoint gives the logits of an engine loaded from it."""
     first, second = tiny_models("qwen2", seed=0), tiny_models("qwen2", seed=1)
-    kwargs = dict(dtype="bf16", device="cpu", progress=False, max_len=64)
-    updated, fresh = Engine(first, scheme, **kwargs), Engine(second, scheme, **kwargs)
+    config = EngineConfig(dtype="bf16", device="cpu", progress=False, max_len=64)
+    updated, fresh = Engine(first, scheme, config), Engine(second, scheme, config)
     assert updated.mirror_bytes > 0
     ids = [1, 5, 9, 2, 7, 3]
     old = updated.logits(ids)  # builds the mirrors from the first checkpoint

@@ -23,7 +23,7 @@ from flashrl.distributed.delta import (
 )
 from flashrl.distributed.dense_delta import apply_values_, diff_values
 from flashrl.distributed.worker import RolloutWorker
-from flashrl.engine.engine import Engine
+from flashrl.engine.engine import Engine, EngineConfig
 from flashrl.errors import ConfigError, WeightError
 from flashrl.model.weights import iter_checkpoint
 from flashrl.quant.dispatch import quantize_weight
@@ -143,16 +143,10 @@ def tiny(tmp_path_factory):
 
 
 def engine_factory(path, quant="int8"):
-    return functools.partial(
-        Engine,
-        path,
-        rollout_config=quant,
-        dtype="fp32",
-        device="cpu",
-        max_batch=2,
-        max_len=16,
-        progress=False,
+    engine_config = EngineConfig(
+        dtype="fp32", device="cpu", max_batch=2, max_len=16, progress=False
     )
+    return functools.partial(Engine, path, quant, engine_config)
 
 
 class Replay:
@@ -393,10 +387,10 @@ def test_gloo_delta_sync_band_zero_matches_an_in_process_update(tiny, caplog):
 
 def dense_engine_factory(path, skip=()):
     config = RolloutConfig(quant="int8", skip=tuple(DEFAULT_SKIP) + tuple(skip))
-    return functools.partial(
-        Engine, path, rollout_config=config, dtype="bf16", device="cpu", max_batch=2, max_len=16,
-        progress=False,
-    )  # fmt: skip
+    engine_config = EngineConfig(
+        dtype="bf16", device="cpu", max_batch=2, max_len=16, progress=False
+    )
+    return functools.partial(Engine, path, config, engine_config)
 
 
 def dense_state(worker):

@@ -100,7 +100,7 @@ def test_killed_worker_is_named_and_the_checkpoint_survives(policy_dir, tmp_path
     import ray
 
     from flashrl.distributed.pool import RolloutWorkerError
-    from flashrl.engine.engine import Engine
+    from flashrl.engine.engine import Engine, EngineConfig
 
     out = tmp_path / "run"
     trainer = Trainer(config(policy_dir, out, **{WORKERS: 2}, steps=5, save_every=2))
@@ -116,7 +116,7 @@ def test_killed_worker_is_named_and_the_checkpoint_survives(policy_dir, tmp_path
         trainer.train()
     assert [s for s, _ in ckpt.list_checkpoints(out)] == [2]
     assert ckpt.verify_checkpoint(out / "checkpoint-2")["step"] == 2
-    Engine(out / "checkpoint-2", rollout_config="int8", device="cpu", max_len=32, progress=False)
+    Engine(out / "checkpoint-2", "int8", EngineConfig(device="cpu", max_len=32, progress=False))
     assert len(read_metrics(out / "metrics.jsonl")) == 3
 
 

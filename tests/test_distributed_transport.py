@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from distributed_fixtures import ray_instance  # noqa: F401 (fixture)
+from flashrl.core.config import RolloutConfig
 from flashrl.core.sampling import SamplingParams
 from flashrl.distributed.rollouts import LocalRollouts
 from flashrl.distributed.sharding import assign, shard_bounds, shard_seed
-from flashrl.engine.engine import Engine
+from flashrl.engine.engine import Engine, EngineConfig
 from flashrl.engine.sampler import stream_seed
 from flashrl.model.weights import iter_checkpoint
 from flashrl.testing import save_tiny_model
@@ -40,16 +41,10 @@ def models(tmp_path_factory):
 
 def engine_factory(path, quant="int8"):
     """A picklable engine factory (a worker cannot import this test module)."""
-    return functools.partial(
-        Engine,
-        path,
-        rollout_config=quant,
-        dtype="fp32",
-        device="cpu",
-        max_batch=8,
-        max_len=32,
-        progress=False,
+    engine_config = EngineConfig(
+        dtype="fp32", device="cpu", max_batch=8, max_len=32, progress=False
     )
+    return functools.partial(Engine, path, quant, engine_config)
 
 
 def make_engine(path, quant="int8"):
@@ -185,8 +180,8 @@ def test_workers_recalibrate_fp8_kv_scales_like_the_engine(models):
     from flashrl.distributed.rollouts import PoolRollouts
 
     old, new = models
-    kv = dict(kv_cache_dtype="fp8", kv_scale="calibrated")
-    factory = functools.partial(engine_factory(old), **kv)
+    kv = RolloutConfig(quant="int8", kv_cache_dtype="fp8", kv_scale="calibrated")
+    factory = engine_factory(old, kv)
     named = [(n, t.float()) for n, t in iter_checkpoint(new)]
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
     params = SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=3)

@@ -17,6 +17,7 @@ import transformers
 from flashrl.engine import Engine, SamplingParams
 from flashrl.errors import CheckpointError, WeightError
 from flashrl.testing import FAMILIES, save_tiny_model
+from shorthand import build_engine
 from test_sampler import reference_processed_logprobs
 
 VARIANTS = [
@@ -43,7 +44,7 @@ def engine(path, **kwargs):
     kwargs.setdefault("dtype", "fp32")
     kwargs.setdefault("device", "cpu")
     kwargs.setdefault("progress", False)
-    return Engine(path, **kwargs)
+    return build_engine(path, **kwargs)
 
 
 def random_ids(length, gen, vocab=256):

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from flashrl.core.env import ENV_VARS
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.tools.cli import main
 
 PROMPTS = ("5,9,17,33", "40,41")
@@ -63,7 +63,7 @@ def test_generate_json_logprobs_equal_engine_scoring(scheme, tiny_models, capsys
         (1, 0),
         (1, 1),
     ]
-    scorer = Engine(path, rollout_config=scheme, dtype="fp32", device="cpu", progress=False)
+    scorer = Engine(path, scheme, EngineConfig(dtype="fp32", device="cpu", progress=False))
     for r in rows:
         prompt = [int(t) for t in PROMPTS[r["prompt_index"]].split(",")]
         assert len(r["response_ids"]) == len(r["logprobs"]) == 6 and r["finish_reason"] == "length"

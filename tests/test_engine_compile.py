@@ -33,6 +33,7 @@ import flashrl.model.decoder as model_module
 from flashrl.engine import Engine, SamplingParams
 from flashrl.engine.decode import DecodeStep, batch_bucket, batch_buckets, kv_bucket
 from flashrl.model.batch import ForwardBatch
+from shorthand import build_engine
 
 HAS_CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -47,7 +48,7 @@ def engine(path, **kwargs):
     kwargs.setdefault("device", "cpu")
     kwargs.setdefault("progress", False)
     kwargs.setdefault("max_len", 300)
-    return Engine(path, **kwargs)
+    return build_engine(path, **kwargs)
 
 
 def random_ids(length, gen, vocab=256):

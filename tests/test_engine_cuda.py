@@ -9,15 +9,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashrl.engine import Engine, SamplingParams
+from flashrl.core.config import RolloutConfig
+from flashrl.engine import Engine, EngineConfig, SamplingParams
 
 SCHEMES = ["bf16", "int8", "fp8", "fp8_channel", "fp8_block", "int8_g128", "int8_g64"]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = [[5, 9, 17, 3], [40, 2, 2, 8, 60, 11, 7], [100, 101]]
 
 
-def make(path, scheme: str, device: str, **kw) -> Engine:
-    return Engine(path, scheme, device=device, dtype="fp32", progress=False, max_len=64, **kw)
+def make(path, scheme: str, device: str, smooth: float | None = None) -> Engine:
+    config = RolloutConfig(quant=scheme, smooth=smooth)
+    return Engine(
+        path, config, EngineConfig(device=device, dtype="fp32", progress=False, max_len=64)
+    )
 
 
 def quantized_bytes(e: Engine) -> dict[str, torch.Tensor]:

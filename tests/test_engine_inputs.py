@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flashrl.engine import Engine, SamplingParams
+from flashrl.engine import SamplingParams
 from flashrl.errors import CheckpointError, ConfigError, InputError, UnsupportedError, WeightError
+from shorthand import build_engine
 
 
 def engine(path, **kwargs):
@@ -22,7 +23,7 @@ def engine(path, **kwargs):
     kwargs.setdefault("device", "cpu")
     kwargs.setdefault("progress", False)
     kwargs.setdefault("max_len", 64)
-    return Engine(path, **kwargs)
+    return build_engine(path, **kwargs)
 
 
 @pytest.fixture

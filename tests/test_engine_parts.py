@@ -9,7 +9,7 @@ import torch
 
 from flashrl.core.rollout import BACKEND_STATS, BACKEND_STATS_KEYS
 from flashrl.correction import mismatch_metrics
-from flashrl.engine import Engine, SamplingParams
+from flashrl.engine import SamplingParams
 from flashrl.engine.generation import build_requests
 from flashrl.engine.sampler import SampledTokens, SamplingTables
 from flashrl.engine.scheduler import Scheduler
@@ -17,10 +17,11 @@ from flashrl.engine.scoring import k3_kl
 from flashrl.model.batch import ForwardBatch, attention_mask, pad_right
 from flashrl.model.kv_calibration import KVScales
 from flashrl.model.kv_scales import KVScaleState
+from shorthand import build_engine
 
 
 def engine(path, **kwargs):
-    return Engine(path, dtype="fp32", device="cpu", progress=False, **kwargs)
+    return build_engine(path, dtype="fp32", device="cpu", progress=False, **kwargs)
 
 
 def requests(lengths, n=1, max_tokens=4, max_len=64):

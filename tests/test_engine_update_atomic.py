@@ -9,6 +9,7 @@ import torch
 
 from flashrl.engine import Engine, SamplingParams
 from flashrl.errors import WeightError
+from shorthand import build_engine
 
 SCHEMES = ["bf16", "int8", "fp8", "fp8_channel", "fp8_block"]
 
@@ -18,7 +19,7 @@ def engine(path, **kwargs):
     kwargs.setdefault("device", "cpu")
     kwargs.setdefault("progress", False)
     kwargs.setdefault("max_len", 64)
-    return Engine(path, **kwargs)
+    return build_engine(path, **kwargs)
 
 
 def snapshot(e: Engine) -> dict[str, torch.Tensor]:

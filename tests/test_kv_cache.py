@@ -31,9 +31,9 @@ import pytest
 import torch
 import transformers
 
-from flashrl.engine import Engine, SamplingParams
+from flashrl.engine import SamplingParams
 from flashrl.engine.kv_cache import KVCache
-from flashrl.errors import CheckpointError
+from flashrl.errors import CheckpointError, ConfigError
 from flashrl.model.config import ModelConfig
 from flashrl.model.kv_calibration import (
     KV_MARGIN,
@@ -45,6 +45,7 @@ from flashrl.model.kv_calibration import (
     rope_pair_amax,
     scales_from_amax,
 )
+from shorthand import build_engine
 
 FP8 = torch.float8_e4m3fn
 
@@ -54,7 +55,7 @@ def engine(path, **kwargs):
     kwargs.setdefault("device", "cpu")
     kwargs.setdefault("progress", False)
     kwargs.setdefault("max_len", 256)
-    return Engine(path, **kwargs)
+    return build_engine(path, **kwargs)
 
 
 def sharp(tiny_models, family, **overrides):
@@ -549,7 +550,8 @@ def test_bad_kv_options(tiny_models):
 
 
 def test_engine_reads_kv_fields_from_the_rollout_config(tiny_models, tmp_path):
-    """The RolloutConfig fields are honoured (they were ignored before), and explicit args win."""
+    """The RolloutConfig fields are honoured (they were ignored before), and fields replaced in it
+    win. A kv_scale other than the default on a cache that is not fp8 would do nothing: refused."""
     from flashrl.core.config import RolloutConfig
 
     path = tiny_models("qwen2")
@@ -560,12 +562,10 @@ def test_engine_reads_kv_fields_from_the_rollout_config(tiny_models, tmp_path):
     assert e.cache.k[0].dtype == FP8 and e.cache.k_token_scale
     yaml = config.to_yaml(tmp_path / "flashrl.yaml")
     assert engine(path, rollout_config=str(yaml), kv_scale="calibrated").kv_calibrated
-    assert (
-        engine(
-            path, rollout_config=str(yaml), kv_cache_dtype="bf16", kv_scale=None
-        ).config.kv_cache_dtype
-        == "bf16"
-    )
+    bf16 = engine(path, rollout_config=str(yaml), kv_cache_dtype="bf16", kv_scale="calibrated")
+    assert bf16.config.kv_cache_dtype == "bf16"
+    with pytest.raises(ConfigError, match=r"kv_scale apply to kv_cache_dtype='fp8'"):
+        engine(path, rollout_config=str(yaml), kv_cache_dtype="bf16")  # kv_scale: dynamic
 
 
 # ------------------------------------------------------------------------------------------------

@@ -14,10 +14,11 @@ import pytest
 import torch
 import transformers
 
-from flashrl.engine import Engine, SamplingParams
+from flashrl.engine import SamplingParams
 from flashrl.errors import ConfigError
 from flashrl.model.config import ModelConfig
 from flashrl.testing import MOE_FAMILIES
+from shorthand import build_engine
 
 
 def hf_model(path, dtype=torch.float32):
@@ -28,7 +29,7 @@ def engine(path, **kwargs):
     kwargs.setdefault("dtype", "fp32")
     kwargs.setdefault("device", "cpu")
     kwargs.setdefault("progress", False)
-    return Engine(path, **kwargs)
+    return build_engine(path, **kwargs)
 
 
 def random_ids(length, gen, vocab=256):

@@ -23,6 +23,7 @@ from flashrl.quant import gemm
 from flashrl.quant.experts import DenseExperts, QuantExperts, make_experts
 from flashrl.quant.linear import QuantLinear, make_linear
 from flashrl.testing import MOE_FAMILIES
+from shorthand import build_engine
 
 SCHEMES = ["bf16", "int8", "fp8", "fp8_channel", "fp8_block", "int8_g128", "int8_g64"]
 QUANT_SCHEMES = SCHEMES[1:]
@@ -37,7 +38,7 @@ def engine(path, **kwargs):
     kwargs.setdefault("device", "cpu")
     kwargs.setdefault("progress", False)
     kwargs.setdefault("max_len", 64)
-    return Engine(path, **kwargs)
+    return build_engine(path, **kwargs)
 
 
 def snapshot(e: Engine) -> dict[str, torch.Tensor]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from flashrl.engine import Engine
+from flashrl.core.config import RolloutConfig
+from flashrl.engine import Engine, EngineConfig
 from flashrl.quant.experts import DenseExperts, QuantExperts
 from flashrl.quant.linear import QuantLinear
 from flashrl.tools.profile import ProfileConfig, run_profile
@@ -19,7 +20,8 @@ def test_profile_reports_every_expert(tiny_models):
         ProfileConfig(model=str(path), quant="int8,fp8_block", device="cpu", max_new_tokens=4)
     ).to_dict()
     names = {e["name"] for e in doc["layers"]}
-    moe = Engine(path, dtype="fp32", device="cpu", progress=False).model_config.moe
+    fp32 = EngineConfig(dtype="fp32", device="cpu", progress=False)
+    moe = Engine(path, engine_config=fp32).model_config.moe
     for layer in moe.sparse_layers:
         for e in range(moe.num_experts):
             for leaf in ("gate_proj", "up_proj", "down_proj"):
@@ -36,9 +38,7 @@ def test_profile_reports_every_expert(tiny_models):
     # a recommendation flags the layer's experts; the engine then keeps them (only them) in bf16
     flagged = recommend_skip(doc["layers"], "int8", threshold=0.0)
     skip = [n for f in flagged for n in f["names"] if ".experts." in n][:1]
-    engine = Engine(
-        path, rollout_config="int8", skip=skip, dtype="fp32", device="cpu", progress=False
-    )
+    engine = Engine(path, RolloutConfig(quant="int8", skip=skip), fp32)
     layer = int(skip[0].split(".")[2])
     assert isinstance(engine.model.layers[layer].mlp.experts.down_proj, DenseExperts)
     others = [i for i in moe.sparse_layers if i != layer]
@@ -51,8 +51,9 @@ def test_expert_weight_error_is_the_engines(tiny_models, gen):
     """The profile's per-expert quantization is the engine's: QuantLinear from `expert_linear`
     holds the codes of the engine's QuantExperts for that expert."""
     path = tiny_models("mixtral")
-    ref = Engine(path, dtype="fp32", device="cpu", progress=False)
-    q = Engine(path, rollout_config="fp8", dtype="fp32", device="cpu", progress=False)
+    fp32 = EngineConfig(dtype="fp32", device="cpu", progress=False)
+    ref = Engine(path, engine_config=fp32)
+    q = Engine(path, rollout_config="fp8", engine_config=fp32)
     dense = ref.model.layers[1].mlp.experts.gate_up_proj
     stacked = q.model.layers[1].mlp.experts.gate_up_proj
     for e in (0, 5):

@@ -13,12 +13,13 @@ import pytest
 import torch
 import transformers
 
-from flashrl.engine import Engine, SamplingParams
+from flashrl.engine import SamplingParams
 from flashrl.engine.routing import RoutingBackend, RoutingCapture
 from flashrl.errors import ConfigError, UnsupportedError
 from flashrl.rl.batch import Batch, response_logprobs
 from flashrl.rl.routing_replay import ReplayBatch, build_batch, replay_backend, replay_routing
 from flashrl.testing import MOE_FAMILIES, save_tiny_model
+from shorthand import build_engine
 
 
 def engine(path, **kwargs):
@@ -26,7 +27,7 @@ def engine(path, **kwargs):
     kwargs.setdefault("device", "cpu")
     kwargs.setdefault("progress", False)
     kwargs.setdefault("max_batch", 16)
-    return Engine(path, **kwargs)
+    return build_engine(path, **kwargs)
 
 
 def hf_model(path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.engine.routing import RoutingBackend
 from flashrl.rl.checkpoint import read_metrics
 from flashrl.rl.config_build import build_config
@@ -69,7 +69,7 @@ def test_train_step_syncs_experts_through_named_parameters(scheme, moe_policy, t
     metrics = trainer.train_step()
     assert not torch.equal(before, trainer.policy.model.layers[0].mlp.experts.down_proj)
     saved = trainer.save_checkpoint()
-    fresh = Engine(saved, rollout_config=scheme, dtype="fp32", device="cpu", progress=False)
+    fresh = Engine(saved, scheme, EngineConfig(dtype="fp32", device="cpu", progress=False))
     assert_same(trainer.backend, fresh)
     assert "rollout_corr/k3_kl" in metrics
 

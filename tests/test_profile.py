@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from flashrl.core.config import RolloutConfig, resolve_config
 from flashrl.core.env import from_env
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.model.config import ModelConfig
 from flashrl.quant.linear import DEFAULT_SKIP, DenseLinear, QuantLinear
 from flashrl.testing import save_tiny_model
@@ -380,12 +380,11 @@ def test_setup_round_trips_into_a_config_the_engine_applies(
         smooth=doc["schemes"]["int8"]["recommended_smooth"],
     )
     assert resolve_config(str(out)) == config  # what `flashrl train`'s rollout.file uses
-    assert_engine_skips_outlier_layer(
-        Engine(model, rollout_config=str(out), device="cpu", progress=False, max_len=64)
-    )
+    cpu = EngineConfig(device="cpu", progress=False, max_len=64)
+    assert_engine_skips_outlier_layer(Engine(model, rollout_config=str(out), engine_config=cpu))
     monkeypatch.setenv("FLASHRL_CONFIG", str(out))
     assert from_env() == config
-    assert_engine_skips_outlier_layer(Engine(model, device="cpu", progress=False, max_len=64))
+    assert_engine_skips_outlier_layer(Engine(model, engine_config=cpu))
 
 
 def test_setup_picks_the_scheme_and_rederives_the_skip_list(profiled):

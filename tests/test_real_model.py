@@ -110,11 +110,10 @@ def test_engine_logprobs_equal_transformers_on_chat_prompts(fp32_dir, chat_ids):
     """The built-in engine (fp32, unquantized) samples real chat responses whose logprobs equal
     transformers' fp32 forward on the same tokens to 2e-4 (summation order only)."""
     from flashrl.core.sampling import SamplingParams
-    from flashrl.engine.engine import Engine
+    from flashrl.engine.engine import Engine, EngineConfig
 
-    engine = Engine(
-        fp32_dir, rollout_config="bf16", dtype="fp32", max_batch=8, max_len=128, progress=False
-    )
+    engine_config = EngineConfig(dtype="fp32", max_batch=8, max_len=128, progress=False)
+    engine = Engine(fp32_dir, rollout_config="bf16", engine_config=engine_config)
     outs = engine.generate(chat_ids, SamplingParams(temperature=1.0, max_tokens=12, seed=0))
     sequences = [o.prompt_ids + o.response_ids for o in outs]
     for out, ref in zip(outs, _reference_logprobs(fp32_dir, sequences)):
@@ -137,12 +136,14 @@ The bounds catch a broken path (a wrong scale gives KL > 1), not a regression of
 
 
 def test_quantized_engines_load_it_and_stay_within_mismatch_bounds(bf16_dir, chat_ids):
-    from flashrl.engine.engine import Engine
+    from flashrl.engine.engine import Engine, EngineConfig
 
-    reference = Engine(bf16_dir, rollout_config="bf16", dtype="fp32", max_len=128, progress=False)
+    fp32 = EngineConfig(dtype="fp32", max_len=128, progress=False)
+    reference = Engine(bf16_dir, rollout_config="bf16", engine_config=fp32)
     kls = {}
     for scheme in MISMATCH_BOUNDS:
-        engine = Engine(bf16_dir, rollout_config=scheme, dtype="bf16", max_len=128, progress=False)
+        bf16 = EngineConfig(dtype="bf16", max_len=128, progress=False)
+        engine = Engine(bf16_dir, rollout_config=scheme, engine_config=bf16)
         total, count = 0.0, 0
         for ids in chat_ids:
             p = torch.log_softmax(reference.logits(ids).double(), -1)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import flashrl
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.errors import CheckpointError, ConfigError
 from flashrl.model.remote_code import check_no_custom_code
 from flashrl.rl.config_build import build_config
@@ -137,7 +137,7 @@ def test_commands_refuse_a_folder_that_asks_for_code(command, planted, tmp_path)
 def test_engine_and_trainer_refuse_a_folder_that_asks_for_code(planted, tmp_path):
     folder, marker, variant = planted
     for make in (
-        lambda: Engine(folder, device="cpu"),
+        lambda: Engine(folder, engine_config=EngineConfig(device="cpu")),
         lambda: Trainer(
             build_config(
                 "tiny-cpu",

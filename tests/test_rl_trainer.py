@@ -218,7 +218,7 @@ def test_resume_equals_uninterrupted(policy_dir, tmp_path):
 def test_checkpoint_loads_in_engine_and_transformers(policy_dir, tmp_path):
     import transformers
 
-    from flashrl.engine import Engine
+    from flashrl.engine import Engine, EngineConfig
 
     trainer = Trainer(small_config(policy_dir, tmp_path / "run", steps=1))
     trainer.train()
@@ -226,9 +226,8 @@ def test_checkpoint_loads_in_engine_and_transformers(policy_dir, tmp_path):
     ids = list(range(5, 20))
     with torch.no_grad():
         hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt)(torch.tensor([ids])).logits[0]
-    assert (
-        Engine(ckpt, dtype="fp32", device="cpu", progress=False).logits(ids) - hf
-    ).abs().max() < 1e-4
+    engine = Engine(ckpt, engine_config=EngineConfig(dtype="fp32", device="cpu", progress=False))
+    assert (engine.logits(ids) - hf).abs().max() < 1e-4
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["step"] == 0
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from flashrl.core.config import RolloutConfig
 from flashrl.core.sampling import SamplingParams
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.errors import ConfigError
 from flashrl.quant.dispatch import quantize_activation, quantize_weight
 from flashrl.quant.linear import QuantLinear
@@ -91,8 +91,11 @@ def outlier_state(base, channel: int, size: float = 100.0) -> dict[str, torch.Te
     return state
 
 
-def fp32_engine(base, scheme="int8", **kw) -> Engine:
-    return Engine(base, scheme, device="cpu", dtype="fp32", progress=False, max_len=64, **kw)
+def fp32_engine(base, scheme="int8", smooth=None) -> Engine:
+    config = RolloutConfig(quant=scheme, smooth=smooth)
+    return Engine(
+        base, config, EngineConfig(device="cpu", dtype="fp32", progress=False, max_len=64)
+    )
 
 
 PROMPTS = [[5, 9, 13, 2, 7, 7, 30], [11, 3, 3, 40, 8]]
@@ -177,7 +180,11 @@ def test_smoothing_config_errors(tiny_models):
     with pytest.raises(ConfigError, match="smooth needs a quantized scheme"):
         RolloutConfig(quant="bf16", smooth=0.5)
     with pytest.raises(ConfigError, match="not supported for MoE models"):
-        Engine(tiny_models("qwen3_moe"), "int8", device="cpu", progress=False, smooth=0.5)
+        Engine(
+            tiny_models("qwen3_moe"),
+            RolloutConfig(quant="int8", smooth=0.5),
+            EngineConfig(device="cpu", progress=False),
+        )
     from flashrl.vllm_backend.config import engine_kwargs  # the vLLM plugin smooths too
 
     quant_config = engine_kwargs(RolloutConfig(quant="int8", smooth=0.5))["hf_overrides"]

@@ -10,13 +10,14 @@ grid step away).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from flashrl.core.config import RolloutConfig
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.errors import ConfigError
 from flashrl.quant.linear import DenseLinear, QuantLinear
 from flashrl.quant.schemes import get_scheme
@@ -152,9 +153,10 @@ def test_engine_sync_rounding(tiny_models, gen):
     real run where 88% of weights kept their bf16 value; stochastic rounding stores part of it, the
     same part for the same seed."""
     path = tiny_models("qwen2", dtype=torch.bfloat16)  # weights on the bf16 grid, as a checkpoint
-    nearest_engine = Engine(path, dtype="bf16", device="cpu", progress=False)
+    bf16 = EngineConfig(dtype="bf16", device="cpu", progress=False)
+    nearest_engine = Engine(path, engine_config=bf16)
     stochastic = [
-        Engine(path, dtype="bf16", device="cpu", progress=False, seed=5, sync_rounding="stochastic")
+        Engine(path, RolloutConfig(sync_rounding="stochastic"), replace(bf16, seed=5))
         for _ in range(2)
     ]
     update = small_update(path, gen)
@@ -171,7 +173,11 @@ def test_sync_rounding_config_errors(tiny_models):
     with pytest.raises(ConfigError, match="sync_rounding='up'.*nearest, stochastic"):
         RolloutConfig(sync_rounding="up")
     with pytest.raises(ConfigError, match="not supported for MoE"):
-        Engine(tiny_models("qwen3_moe"), device="cpu", progress=False, sync_rounding="stochastic")
+        Engine(
+            tiny_models("qwen3_moe"),
+            RolloutConfig(sync_rounding="stochastic"),
+            EngineConfig(device="cpu", progress=False),
+        )
     from flashrl.vllm_backend.config import engine_kwargs
 
     with pytest.raises(ValueError, match="sync_rounding='stochastic' is not supported by the vLLM"):
@@ -183,10 +189,9 @@ def test_loading_fp32_weights_rounds_stochastically_too(tiny_models):
     is the lag again (on SmolLM2, k3 0.040 at the first step after a resume, 0.001 after the next
     sync), so an engine with stochastic rounding also rounds what it loads."""
     path = tiny_models("qwen2")  # fp32 weights: off the bf16 grid
-    nearest = Engine(path, dtype="bf16", device="cpu", progress=False)
-    stochastic = Engine(
-        path, dtype="bf16", device="cpu", progress=False, seed=1, sync_rounding="stochastic"
-    )
+    bf16 = EngineConfig(dtype="bf16", device="cpu", progress=False)
+    nearest = Engine(path, engine_config=bf16)
+    stochastic = Engine(path, RolloutConfig(sync_rounding="stochastic"), replace(bf16, seed=1))
     tensors = load_file(str(path / "model.safetensors"))
     embed = tensors["model.embed_tokens.weight"]
     a = nearest.model.state_dict()["embed_tokens.weight"]

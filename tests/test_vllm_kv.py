@@ -29,7 +29,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 from cpu_flags import NO_AVX512_AMX, has_avx512_or_amx  # noqa: E402
 from flashrl.core.config import RolloutConfig  # noqa: E402
-from flashrl.engine import Engine, SamplingParams  # noqa: E402
+from flashrl.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from flashrl.model.config import ModelConfig  # noqa: E402
 from flashrl.model.kv_calibration import (  # noqa: E402
     calibrate_from_weights,
@@ -134,7 +134,9 @@ def test_start_up_and_first_prompts_calibrate_like_the_builtin_engine(setup):
     )
     assert not backend.updater.kv.from_fallback
     engine = Engine(
-        path, dtype="bf16", device="cpu", progress=False, kv_cache_dtype="fp8", max_len=128
+        path,
+        RolloutConfig(kv_cache_dtype="fp8"),
+        EngineConfig(dtype="bf16", device="cpu", progress=False, max_len=128),
     )
     engine.calibrate_kv(prompts)
     assert torch.equal(scales(backend.llm)["k"], engine.kv_scales.k[:, 0])

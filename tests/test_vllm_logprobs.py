@@ -101,7 +101,7 @@ def deltas(sequences, reference, params: dict) -> tuple[torch.Tensor, int]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("scheme", ["bf16", "int8"])
 def test_processed_logprobs_match_recomputation(model_dir, scheme, dtype):
-    from flashrl.engine import Engine
+    from flashrl.engine import Engine, EngineConfig
 
     hf = hf_reference(model_dir, scheme, dtype)
 
@@ -116,13 +116,10 @@ def test_processed_logprobs_match_recomputation(model_dir, scheme, dtype):
             params.get("top_p", 1.0),
         )
 
-    builtin = Engine(
-        model_dir,
-        rollout_config=scheme,
-        dtype="fp32" if dtype == "float32" else "bf16",
-        device="cpu",
-        progress=False,
+    engine_config = EngineConfig(
+        dtype="fp32" if dtype == "float32" else "bf16", device="cpu", progress=False
     )
+    builtin = Engine(model_dir, rollout_config=scheme, engine_config=engine_config)
 
     def builtin_score(prompt, response, params):
         return torch.tensor(builtin.score(prompt, response, **params))

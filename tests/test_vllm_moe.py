@@ -332,10 +332,11 @@ is left out: its activation scale spans the batch, which differs between the two
     ],
 )
 def test_logprobs_agree_with_the_builtin_engine(tmp_path, family, scheme, eager):
-    from flashrl.engine import Engine
+    from flashrl.engine import Engine, EngineConfig
 
     path = save_tiny_moe_model(tmp_path / family, family=family)
-    builtin = Engine(path, rollout_config=scheme, dtype="fp32", device="cpu", progress=False)
+    engine_config = EngineConfig(dtype="fp32", device="cpu", progress=False)
+    builtin = Engine(path, rollout_config=scheme, engine_config=engine_config)
     settings = {**LLM_ARGS, "dtype": "float32", "enforce_eager": eager}
     llm = vllm.LLM(str(path), **engine_kwargs(scheme), **settings)
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.model.weight_changes import ChangeCounts
 from flashrl.model.weights import iter_checkpoint
 from flashrl.quant.linear import QuantLinear
@@ -24,7 +24,7 @@ def checkpoint(model_dir) -> dict[str, torch.Tensor]:
 
 
 def engine(path, quant: str, dtype: str) -> Engine:
-    return Engine(path, rollout_config=quant, dtype=dtype, device="cpu", progress=False)
+    return Engine(path, quant, EngineConfig(dtype=dtype, device="cpu", progress=False))
 
 
 def perturbed(

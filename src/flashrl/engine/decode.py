@@ -91,7 +91,7 @@ def kv_bucket(length: int, max_len: int) -> int:
 
 
 def check_compile_mode(mode: str | None, device: torch.device) -> str | None:
-    """Validate ``Engine(decode_compile=...)``: None (eager) or one of `COMPILE_MODES`."""
+    """Validate ``EngineConfig(decode_compile=...)``: None (eager) or one of `COMPILE_MODES`."""
     if mode is None or mode is False:
         return None
     if mode not in COMPILE_MODES:

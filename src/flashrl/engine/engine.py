@@ -29,7 +29,7 @@ from flashrl.core.sampling import SamplingParams, replay_processed_logprobs
 from flashrl.engine import inputs, scoring
 from flashrl.engine.generation import Counters, GenerateProgress, build_requests, to_rollouts
 from flashrl.engine.kv_cache import KVCache
-from flashrl.engine.options import EngineConfig, EngineOptions
+from flashrl.engine.options import EngineConfig, EngineOptions, engine_config_of
 from flashrl.engine.runner import ModelRunner
 from flashrl.engine.sampler import SampledTokens, SamplingTables
 from flashrl.engine.scheduler import Request, Scheduler, Step, sample_into
@@ -56,18 +56,17 @@ class Engine:
     def __init__(
         self,
         model_dir: str | Path,
-        rollout_config: str | RolloutConfig | None = None,
+        rollout_config: str | Path | RolloutConfig | None = None,
         engine_config: EngineConfig | None = None,
-        **overrides: Any,
+        **unexpected: Any,
     ) -> None:
         """Load the checkpoint in `model_dir`, its linear layers quantized as `rollout_config` says
         (a scheme name, a YAML path or a `RolloutConfig`; default: FLASHRL_CONFIG, else bf16), run as
         `engine_config` says (`EngineConfig`: device, dtype, KV-cache size, compilation).
 
-        Keyword `overrides` are shorthand: an `EngineConfig` field (``max_batch=8``) or a
-        `RolloutConfig` field of `ROLLOUT_OVERRIDES`. Anything else is a `ConfigError` (also
-        ``quant=``, the old name of `rollout_config`)."""
-        engine, rollout_overrides = EngineConfig.split_overrides(engine_config, overrides)
+        Nothing else: `unexpected` exists only for the `ConfigError` that says which config each
+        keyword goes in (``max_batch=8``: `EngineConfig`; ``kv_cache_dtype=``: `RolloutConfig`)."""
+        engine = engine_config_of(engine_config, unexpected)
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
         config = (
@@ -76,7 +75,7 @@ class Engine:
             else from_env()
         )
         opts = EngineOptions.resolve(
-            self.model_dir, self.model_config, config or RolloutConfig(), rollout_overrides, engine
+            self.model_dir, self.model_config, config or RolloutConfig(), engine
         )
         self.engine_config = engine
         self.config, self.kv_scale_granularity = opts.config, opts.kv_scale_granularity

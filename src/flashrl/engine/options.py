@@ -1,6 +1,7 @@
-"""`EngineOptions`: the `Engine` keyword arguments resolved and checked, in one place.
+"""`EngineOptions`: the `Engine`'s two configs resolved and checked, in one place.
 
-The rollout config's fields may be overridden by keyword (``kv_cache_dtype=...``); the sizes
+`Engine` takes its settings only in a `RolloutConfig` (what is quantized) and an `EngineConfig` (how
+it runs); `engine_config_of` refuses anything else, saying where each keyword goes. The sizes
 (`max_len`, `max_batch` or `kv_cache_memory`, `max_prefill_tokens`) are checked against the model.
 Errors are `ConfigError`s naming the argument, the value and what is allowed (an unavailable CUDA
 device: `UnsupportedError`).
@@ -24,17 +25,13 @@ from flashrl.model.config import ModelConfig
 from flashrl.model.kv_scales import scale_granularity
 
 DEFAULT_MAX_PREFILL_TOKENS = 16384
-"""Padded prompt tokens per prefill forward unless `Engine(max_prefill_tokens=...)` says
+"""Padded prompt tokens per prefill forward unless `EngineConfig(max_prefill_tokens=...)` says
 otherwise."""
 DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_LEN = 4096
 """`max_len` default, or the model's max_position_embeddings when smaller."""
-
-
-ROLLOUT_OVERRIDES = (
-    "lm_head_fp32", "skip", "kv_cache_dtype", "kv_scale", "sync_rounding", "smooth"
-)  # fmt: skip
-"""`RolloutConfig` fields that `Engine(..., **overrides)` may set directly."""
+DEFAULT_KV_SCALE = RolloutConfig().kv_scale
+"""`RolloutConfig.kv_scale` unless set (``calibrated``)."""
 
 
 @dataclass(frozen=True)
@@ -70,33 +67,50 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_fields(self)
 
-    @classmethod
-    def split_overrides(
-        cls, base: EngineConfig | None, overrides: dict[str, Any]
-    ) -> tuple[EngineConfig, dict[str, Any]]:
-        """`base` with the `overrides` that name its fields applied, and the `RolloutConfig`
-        overrides (`ROLLOUT_OVERRIDES`); any other name is a `ConfigError`, and ``quant`` (the
-        old name of `rollout_config`) one that names the new spelling."""
-        if "quant" in overrides:
-            raise ConfigError(
-                f"Engine: quant= was renamed: pass the scheme as rollout_config, "
-                f"Engine(model, {overrides['quant']!r}) or rollout_config={overrides['quant']!r}"
-            )
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - fields - set(ROLLOUT_OVERRIDES))
-        if unknown:
-            raise ConfigError(
-                f"Engine got unknown argument(s) {unknown}; allowed: EngineConfig fields "
-                f"{sorted(fields)} and RolloutConfig overrides {list(ROLLOUT_OVERRIDES)}"
-            )
-        engine = {k: v for k, v in overrides.items() if k in fields}
-        rollout = {k: v for k, v in overrides.items() if k in ROLLOUT_OVERRIDES}
-        return dataclasses.replace(base or cls(), **engine), rollout
+
+def engine_config_of(engine_config: Any, unexpected: dict[str, Any]) -> EngineConfig:
+    """`engine_config` (None: the defaults) of an `Engine` given no other keyword: a field of
+    either config as a keyword (``max_batch=8``, ``quant="int8"``) is a `ConfigError` naming the
+    config it goes in, any other name one listing the fields of both."""
+    if unexpected:
+        raise ConfigError(_misplaced_message(unexpected))
+    if engine_config is None:
+        return EngineConfig()
+    if not isinstance(engine_config, EngineConfig):
+        raise ConfigError(
+            f"engine_config must be an EngineConfig or None, got {type(engine_config).__name__}; "
+            "build one: EngineConfig(max_batch=8, ...)"
+        )
+    return engine_config
+
+
+def _misplaced_message(kwargs: dict[str, Any]) -> str:
+    """Where each keyword an `Engine` was given goes instead."""
+    engine = [f.name for f in dataclasses.fields(EngineConfig)]
+    rollout = [f.name for f in dataclasses.fields(RolloutConfig)]
+    names, homes = list(kwargs), []
+    if to_engine := [n for n in names if n in engine]:
+        homes.append(f"EngineConfig({'=..., '.join(to_engine)}=...) as engine_config")
+    if to_rollout := [n for n in names if n in rollout]:
+        home = f"a RolloutConfig({'=..., '.join(to_rollout)}=...) as rollout_config"
+        if "quant" in kwargs:
+            home += f" (or the scheme alone: Engine(model, {kwargs['quant']!r}))"
+        homes.append(home)
+    message = f"Engine got keyword argument(s) {', '.join(names)}; "
+    if homes:
+        message += f"pass them in a config: {', '.join(homes)}"
+    if unknown := [n for n in names if n not in engine and n not in rollout]:
+        message += (
+            f"{'; ' if homes else ''}{', '.join(unknown)}: no such setting (Engine takes model_dir, "
+            f"rollout_config, engine_config; EngineConfig fields: {', '.join(engine)}; "
+            f"RolloutConfig fields: {', '.join(rollout)})"
+        )
+    return message
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """What an `Engine` runs with, resolved from its keyword arguments."""
+    """What an `Engine` runs with, resolved from its two configs."""
 
     config: RolloutConfig
     kv_scale_granularity: str | None
@@ -113,16 +127,14 @@ class EngineOptions:
         model_dir: Path,
         model_config: ModelConfig,
         config: RolloutConfig,
-        overrides: dict[str, Any],
         engine: EngineConfig,
     ) -> EngineOptions:
-        """Apply the non-None `overrides` (fields of `config`), fill in the defaults and check
-        the sizes against the model (`engine` checked its own fields when built)."""
-        given = {k: v for k, v in overrides.items() if v is not None}
-        if given:
-            config = RolloutConfig.from_dict({**config.to_dict(), **given})
+        """Fill in the defaults and check the sizes against the model (`config` and `engine`
+        checked their own fields when built). A `kv_scale` other than the default counts as set:
+        on a cache that is not fp8 it would do nothing, a `ConfigError`."""
+        kv_scale_set = config.kv_scale != DEFAULT_KV_SCALE
         granularity = scale_granularity(
-            config.kv_cache_dtype, config.kv_scale, "kv_scale" in given, engine.kv_scale_granularity
+            config.kv_cache_dtype, config.kv_scale, kv_scale_set, engine.kv_scale_granularity
         )
         device, dtype = resolve_device(engine.device), resolve_dtype(engine.dtype)
         max_len = _check_max_len(engine.max_len, model_config, model_dir)

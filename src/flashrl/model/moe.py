@@ -184,7 +184,7 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
             raise UnsupportedError(
-                "MoE layers run eagerly: Engine(decode_compile=...) is not supported for MoE "
+                "MoE layers run eagerly: EngineConfig(decode_compile=...) is not supported for MoE "
                 "models (grouping tokens by expert has data-dependent shapes); use "
                 "decode_compile=None"
             )

@@ -44,18 +44,17 @@ BackendFactory = Callable[[BackendRequest], RolloutBackend]
 
 
 def _builtin(request: BackendRequest) -> RolloutBackend:
-    from flashrl.engine.engine import Engine
+    from flashrl.engine.engine import Engine, EngineConfig
 
     r = request.config.rollout
-    return Engine(
-        request.model_dir,
-        r.as_rollout_config(),
+    engine = EngineConfig(
         dtype=r.dtype,
         device=request.device,
         max_batch=request.max_batch,
         max_len=request.max_len,
         progress=False,
     )
+    return Engine(request.model_dir, r.as_rollout_config(), engine)
 
 
 def _vllm(request: BackendRequest) -> RolloutBackend:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import transformers
 
-from flashrl.core.config import KV_CACHE_DTYPES
+from flashrl.core.config import KV_CACHE_DTYPES, RolloutConfig
 from flashrl.core.device import DTYPES, peak_memory_bytes, resolve_device, resolve_dtype
 from flashrl.core.sampling import SamplingParams
 from flashrl.engine import Engine, EngineConfig
@@ -240,7 +240,8 @@ def _make_engine(
         decode_buckets=cfg.decode_buckets,
         max_prefill_tokens=cfg.max_prefill_tokens,
     )
-    return Engine(model_dir, scheme, engine_config, kv_cache_dtype=kv_cache_dtype)
+    rollout_config = RolloutConfig(quant=scheme, kv_cache_dtype=kv_cache_dtype)
+    return Engine(model_dir, rollout_config, engine_config)
 
 
 def _bench_engine(

@@ -89,13 +89,10 @@ def run_generate(args: argparse.Namespace) -> int:
     flags = build(GenerateFlags, args)
     prompts = args.prompt or [parse_prompt_ids(ids) for ids in args.prompt_ids]
     params = SamplingParams(**{**GENERATE_DEFAULTS, **values(SamplingParams, args)})
-    engine = flashrl.engine.Engine(
-        flags.model,
-        rollout_config=flags.quant,
-        dtype=flags.dtype,
-        device=flags.device,
-        max_batch=max(1, min(64, len(prompts) * params.n)),
+    engine_config = flashrl.engine.EngineConfig(
+        dtype=flags.dtype, device=flags.device, max_batch=max(1, min(64, len(prompts) * params.n))
     )
+    engine = flashrl.engine.Engine(flags.model, flags.quant, engine_config)
     for r in engine.generate(prompts, params):
         if flags.json:
             print(

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from flashrl.core.config import RolloutConfig
 from flashrl.core.rollout import Rollout
 from flashrl.core.sampling import SamplingParams
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.errors import UnsupportedError
 from flashrl.model.config import ModelConfig
 from flashrl.quant.linear import DEFAULT_SKIP
@@ -50,9 +50,7 @@ def make_engine(
         kv_cache_dtype=kv_cache_dtype,
         smooth=smooth,
     )
-    return Engine(
-        cfg.model,
-        rollout_config=config,
+    engine = EngineConfig(
         dtype=cfg.dtype,
         device=cfg.device,
         max_batch=MAX_BATCH,
@@ -60,6 +58,7 @@ def make_engine(
         seed=cfg.seed,
         progress=False,
     )
+    return Engine(cfg.model, config, engine)
 
 
 class Stages:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from flashrl.core.config import RolloutConfig
-from flashrl.engine import Engine
+from flashrl.engine import Engine, EngineConfig
 from flashrl.quant.schemes import QuantScheme, get_scheme
 from flashrl.testing import save_tiny_model
 
@@ -67,16 +67,10 @@ class VerifyContext:
         return self.checkpoints[name]
 
     def engine(self, name: str, scheme: str, dtype: str = "bf16") -> Engine:
-        return Engine(
-            self.checkpoint(name),
-            rollout_config=RolloutConfig(quant=scheme),
-            dtype=dtype,
-            device=self.device,
-            max_batch=4,
-            max_len=64,
-            seed=0,
-            progress=False,
+        engine = EngineConfig(
+            dtype=dtype, device=self.device, max_batch=4, max_len=64, seed=0, progress=False
         )
+        return Engine(self.checkpoint(name), RolloutConfig(quant=scheme), engine)
 
 
 class CheckFailed(Exception):
