@@ -301,8 +301,9 @@ def test_engine_applies_environment(tiny_models, monkeypatch):
 def test_engine_refuses_keywords_naming_their_config(tiny_models):
     """`Engine` takes its settings in its two configs only: a field as a keyword is refused before
     anything loads, naming the config it goes in (``quant=``, the old name of `rollout_config`,
-    too), and an unknown name lists the fields of both configs."""
-    from flashrl.engine import Engine
+    too), and an unknown name lists the fields of both configs; an `EngineConfig` in the rollout
+    config's place is named as such."""
+    from flashrl.engine import Engine, EngineConfig
 
     model = tiny_models("qwen2")
     with pytest.raises(ConfigError, match="max_batch"):
@@ -339,6 +340,11 @@ def test_engine_refuses_keywords_naming_their_config(tiny_models):
         ConfigError, match="^engine_config must be an EngineConfig or None, got dict"
     ):
         Engine(model, "int8", {"max_batch": 8})
+    wrong_order = "rollout_config must be a scheme name, a YAML path or a RolloutConfig, got a "
+    with pytest.raises(ConfigError, match=f"^{wrong_order}EngineConfig .an engine's EngineConfig"):
+        Engine(model, EngineConfig(max_batch=8))
+    with pytest.raises(ConfigError, match=f"^{wrong_order}int$"):
+        Engine(model, 8)
 
 
 # ------------------------------------------------------------------------------------------------

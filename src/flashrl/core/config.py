@@ -272,6 +272,16 @@ def resolve_config(
                 f"({', '.join(extra)}); pass its RolloutConfig part (as_rollout_config())"
             )
         return value
+    if not isinstance(value, str | os.PathLike):
+        raise ConfigError(
+            f"{source} must be a scheme name, a YAML path or a RolloutConfig, got a "
+            f"{type(value).__name__}"
+            + (
+                " (an engine's EngineConfig goes in engine_config, after the rollout config)"
+                if type(value).__name__ == "EngineConfig"
+                else ""
+            )
+        )
     text = str(value).strip()
     if text.lower() in SCHEME_NAMES:
         return RolloutConfig(quant=text.lower())
