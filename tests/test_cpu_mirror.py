@@ -104,3 +104,28 @@ def test_engine_update_matches_a_fresh_engine(scheme, tiny_models):
     updated.update_weights(load_file(f"{second}/model.safetensors").items())
     new = updated.logits(ids)
     assert torch.equal(new, fresh.logits(ids)) and not torch.equal(new, old)
+
+
+def test_engine_mirror_budget_is_an_engine_setting(tiny_models):
+    """`EngineConfig.cpu_mirror_memory` bounds an engine's copies (0: none, outputs unchanged);
+    a run's builtin backend gives each of N Ray workers a quarter of memory divided by N, and the
+    trainer's own engine the default."""
+    from flashrl.quant.cpu_mirror import DEFAULT_BUDGET_FRACTION, physical_memory_bytes
+    from flashrl.rl.backends import BackendRequest, build_backend
+    from flashrl.rl.config_build import build_config
+
+    path = tiny_models("qwen2")
+    base = dict(dtype="bf16", device="cpu", progress=False, max_len=64)
+    full = Engine(path, "int8", EngineConfig(**base))
+    off = Engine(path, "int8", EngineConfig(**base, cpu_mirror_memory=0))
+    assert full.mirror_bytes > 0 and off.mirror_bytes == 0
+    ids = [1, 5, 9, 2, 7, 3]
+    assert torch.equal(full.logits(ids), off.logits(ids))
+    some = Engine(path, "int8", EngineConfig(**base, cpu_mirror_memory=full.mirror_bytes // 2))
+    assert 0 < some.mirror_bytes <= full.mirror_bytes // 2
+
+    quarter = int(DEFAULT_BUDGET_FRACTION * physical_memory_bytes())
+    for workers, budget in [(0, None), (4, quarter // 4)]:
+        config = build_config("tiny-cpu", None, {"rollout.workers.count": workers})
+        request = BackendRequest(config, path, torch.device("cpu"), 64, 4)
+        assert build_backend(request).engine_config.cpu_mirror_memory == budget

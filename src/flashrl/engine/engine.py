@@ -106,8 +106,8 @@ class Engine:
             lm_head_fp32=self.config.lm_head_fp32,
         ).eval()
         self.smoothing.enable(self.model)
-        # CPU: fp32 copies of the weights for the GEMMs, within a memory budget (quant/cpu_mirror.py).
-        self.mirror_bytes = enable_mirrors(self.model) if self.device.type == "cpu" else 0
+        # CPU weights: fp32 copies for the GEMMs, within a memory budget (quant/cpu_mirror.py).
+        self.mirror_bytes = enable_mirrors(self.model, self.engine_config.cpu_mirror_memory)
         self.weights = WeightMap(self.model, sync_generator=self._sr)
         self.runner = ModelRunner(
             self.model,

@@ -63,6 +63,9 @@ class EngineConfig:
     """Show a progress bar on long `generate` calls."""
     load_weights: bool = True
     """False leaves the weights uninitialised (see `Engine.init_random_weights_`)."""
+    cpu_mirror_memory: int | None = integer(None, least=0, note="0: no fp32 weight copies")
+    """CPU engines: bytes of fp32 weight copies kept for the GEMMs (`flashrl.quant.cpu_mirror`;
+    layers past it convert per call, slower, same outputs). Default: a quarter of physical memory."""
 
     def __post_init__(self) -> None:
         check_fields(self)

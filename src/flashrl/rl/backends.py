@@ -53,8 +53,20 @@ def _builtin(request: BackendRequest) -> RolloutBackend:
         max_batch=request.max_batch,
         max_len=request.max_len,
         progress=False,
+        cpu_mirror_memory=worker_mirror_memory(r.workers.count),
     )
     return Engine(request.model_dir, r.as_rollout_config(), engine)
+
+
+def worker_mirror_memory(workers: int) -> int | None:
+    """The CPU weight-copy budget of one rollout engine: the engine's default (a quarter of physical
+    memory) in the trainer's process, that quarter shared out among `workers` Ray workers, which
+    may all run on one machine."""
+    if workers == 0:
+        return None
+    from flashrl.quant.cpu_mirror import DEFAULT_BUDGET_FRACTION, physical_memory_bytes
+
+    return int(DEFAULT_BUDGET_FRACTION * physical_memory_bytes()) // workers
 
 
 def _vllm(request: BackendRequest) -> RolloutBackend:
