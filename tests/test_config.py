@@ -89,9 +89,25 @@ def test_invalid_fields_name_field_and_allowed_values(kwargs, message):
 def test_normalization():
     assert RolloutConfig(quant=" INT8 ").quant == "int8"
     assert RolloutConfig(skip=["lm_head", "*.down_proj"]).skip == ("lm_head", "*.down_proj")
-    assert RolloutConfig(kv_scale="0.5").kv_scale == 0.5
-    assert RolloutConfig(kv_scale=2).kv_scale == 2.0
-    assert RolloutConfig(kv_scale="dynamic").kv_scale == "dynamic"
+    fp8 = {"kv_cache_dtype": "fp8"}
+    assert RolloutConfig(kv_scale="0.5", **fp8).kv_scale == 0.5
+    assert RolloutConfig(kv_scale=2, **fp8).kv_scale == 2.0
+    assert RolloutConfig(kv_scale="dynamic", **fp8).kv_scale == "dynamic"
+
+
+@pytest.mark.parametrize("kv_scale", ["dynamic", 0.5])
+def test_a_kv_scale_needs_an_fp8_cache(kv_scale):
+    """One rule for every engine (built-in, vLLM, FLASHRL_CONFIG, flashrl train): a kv_scale other
+    than the default on a cache that is not fp8 would do nothing, so it is refused."""
+    from flashrl.rl.config_build import build_config
+
+    with pytest.raises(
+        ConfigError, match=f"^kv_scale={kv_scale!r} applies to kv_cache_dtype='fp8'"
+    ):
+        RolloutConfig(kv_scale=kv_scale)
+    with pytest.raises(ConfigError, match="^rollout: kv_scale=.*set kv_cache_dtype to fp8"):
+        build_config("tiny-cpu", None, {"rollout.kv_scale": kv_scale})
+    assert RolloutConfig(kv_scale="calibrated").kv_cache_dtype == "bf16"
 
 
 def test_from_dict_unknown_key_names_source_and_allowed():

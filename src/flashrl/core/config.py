@@ -197,6 +197,12 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, of=RolloutConfig)  # a subclass checks its own fields
+        if self.kv_scale != "calibrated" and self.kv_cache_dtype != "fp8":
+            raise ConfigError(
+                f"kv_scale={self.kv_scale!r} applies to kv_cache_dtype='fp8' only; this config has "
+                f"kv_cache_dtype={self.kv_cache_dtype!r}: set kv_cache_dtype to fp8 or leave "
+                "kv_scale at calibrated"
+            )
         if self.smooth is not None and self.quant == "bf16":
             raise ConfigError(
                 "smooth needs a quantized scheme (quant='bf16' quantizes no activations); "

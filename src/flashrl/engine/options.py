@@ -30,8 +30,6 @@ otherwise."""
 DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_LEN = 4096
 """`max_len` default, or the model's max_position_embeddings when smaller."""
-DEFAULT_KV_SCALE = RolloutConfig().kv_scale
-"""`RolloutConfig.kv_scale` unless set (``calibrated``)."""
 
 
 @dataclass(frozen=True)
@@ -133,11 +131,9 @@ class EngineOptions:
         engine: EngineConfig,
     ) -> EngineOptions:
         """Fill in the defaults and check the sizes against the model (`config` and `engine`
-        checked their own fields when built). A `kv_scale` other than the default counts as set:
-        on a cache that is not fp8 it would do nothing, a `ConfigError`."""
-        kv_scale_set = config.kv_scale != DEFAULT_KV_SCALE
+        checked their own fields when built)."""
         granularity = scale_granularity(
-            config.kv_cache_dtype, config.kv_scale, kv_scale_set, engine.kv_scale_granularity
+            config.kv_cache_dtype, config.kv_scale, engine.kv_scale_granularity
         )
         device, dtype = resolve_device(engine.device), resolve_dtype(engine.dtype)
         max_len = _check_max_len(engine.max_len, model_config, model_dir)

@@ -28,19 +28,17 @@ from flashrl.model.kv_calibration import KVScales, RecentSequences, calibrate_mo
 
 
 def scale_granularity(
-    kv_cache_dtype: str, kv_scale: str | float, kv_scale_set: bool, granularity: str | None
+    kv_cache_dtype: str, kv_scale: str | float, granularity: str | None
 ) -> str | None:
     """The KV scale granularity: None for an unquantized cache, ``token`` for dynamic scales, else
-    ``layer`` (default) or ``head``. Options that would have no effect raise a `ConfigError`
-    (`kv_scale_set`: ``kv_scale`` is not the default)."""
+    ``layer`` (default) or ``head``. A granularity that would have no effect is a `ConfigError`
+    (the `RolloutConfig` refuses a `kv_scale` without an fp8 cache itself)."""
     if kv_cache_dtype != "fp8":
-        options = (("kv_scale", kv_scale_set), ("kv_scale_granularity", granularity is not None))
-        given = [name for name, value in options if value]
-        if given:
+        if granularity is not None:
             raise ConfigError(
-                f"{' and '.join(given)} apply to kv_cache_dtype='fp8'; this engine "
-                f"has kv_cache_dtype={kv_cache_dtype!r}: set kv_cache_dtype='fp8' or leave "
-                f"{' and '.join(given)} at the default"
+                f"kv_scale_granularity applies to kv_cache_dtype='fp8' only; this engine has "
+                f"kv_cache_dtype={kv_cache_dtype!r}: set kv_cache_dtype='fp8' or leave "
+                f"kv_scale_granularity at the default"
             )
         return None
     if kv_scale == "dynamic":
