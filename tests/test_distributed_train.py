@@ -155,4 +155,4 @@ def test_a_worker_that_cannot_build_its_backend_says_why():
         match=r"rollout worker 0 died during 'start' \(its backend failed to start: "
         r"UnsupportedError: rollout.backend=vllm needs vLLM, which is not installed",
     ):
-        WorkerPool(factory, WorkersConfig(count=1, cpus=1, timeout=60))
+        WorkerPool(factory, WorkersConfig(count=1, cpus=1, timeout=600))

@@ -85,7 +85,7 @@ def test_gloo_sync_matches_an_in_process_update(models, payload, dtype):
     reference.update_weights(named)
     expected = reference.model.state_dict()
     factory = engine_factory(old)
-    config = WorkersConfig(count=2, payload=payload, bucket_mb=4099 / 2**20, timeout=120)
+    config = WorkersConfig(count=2, payload=payload, bucket_mb=4099 / 2**20, timeout=600)
     assert config.bucket_bytes == 4099  # a bucket boundary inside most tensors
     pool = WorkerPool(factory, config)
     try:
@@ -190,7 +190,7 @@ def test_workers_recalibrate_fp8_kv_scales_like_the_engine(models):
     expected_rollouts = local.collect(local.submit(prompts, params))
     before = reference.kv_scales.k.clone()
     reference.update_weights(named)
-    pool = WorkerPool(factory, WorkersConfig(count=1, timeout=120))
+    pool = WorkerPool(factory, WorkersConfig(count=1, timeout=600))
     try:
         remote = PoolRollouts(pool, 1)
         rollouts = remote.collect(remote.submit(prompts, params))
