@@ -377,7 +377,10 @@ def test_device_that_is_not_there(tiny_models):
         ),
         (dict(dtype="int8"), r"dtype 'int8' is invalid; allowed: bf16"),
         (dict(max_prefill_tokens=0), r"max_prefill_tokens=0 is invalid; allowed: an integer >= 1"),
-        (dict(kv_scale_granularity="head"), r"kv_scale_granularity applies to kv_cache_dtype='fp8' only"),
+        (
+            dict(kv_scale_granularity="head"),
+            r"kv_scale_granularity applies to kv_cache_dtype='fp8' only",
+        ),
         (
             dict(kv_cache_dtype="fp8", kv_scale="dynamic", kv_scale_granularity="head"),
             r"does not apply to kv_scale='dyn",

@@ -518,9 +518,13 @@ def test_bad_kv_options(tiny_models):
         engine(path, kv_cache_dtype="fp8", kv_scale="auto")
     with pytest.raises(ValueError, match=r"kv_scale"):
         engine(path, kv_cache_dtype="fp8", kv_scale=-1.0)
-    with pytest.raises(ValueError, match=r"kv_scale='dynamic' applies to kv_cache_dtype='fp8' only"):
+    with pytest.raises(
+        ValueError, match=r"kv_scale='dynamic' applies to kv_cache_dtype='fp8' only"
+    ):
         engine(path, kv_scale="dynamic")
-    with pytest.raises(ValueError, match=r"kv_scale_granularity applies to kv_cache_dtype='fp8' only"):
+    with pytest.raises(
+        ValueError, match=r"kv_scale_granularity applies to kv_cache_dtype='fp8' only"
+    ):
         engine(path, kv_scale_granularity="head")
     with pytest.raises(
         ValueError, match=r"kv_scale_granularity='token' is invalid; allowed: layer, head"
@@ -564,7 +568,9 @@ def test_engine_reads_kv_fields_from_the_rollout_config(tiny_models, tmp_path):
     assert engine(path, rollout_config=str(yaml), kv_scale="calibrated").kv_calibrated
     bf16 = engine(path, rollout_config=str(yaml), kv_cache_dtype="bf16", kv_scale="calibrated")
     assert bf16.config.kv_cache_dtype == "bf16"
-    with pytest.raises(ConfigError, match=r"kv_scale='dynamic' applies to kv_cache_dtype='fp8' only"):
+    with pytest.raises(
+        ConfigError, match=r"kv_scale='dynamic' applies to kv_cache_dtype='fp8' only"
+    ):
         engine(path, rollout_config=str(yaml), kv_cache_dtype="bf16")  # kv_scale: dynamic
 
 
