@@ -282,11 +282,6 @@ def resolve_config(
         raise ConfigError(
             f"{source} must be a scheme name, a YAML path or a RolloutConfig, got a "
             f"{type(value).__name__}"
-            + (
-                " (an engine's EngineConfig goes in engine_config, after the rollout config)"
-                if type(value).__name__ == "EngineConfig"
-                else ""
-            )
         )
     text = str(value).strip()
     if text.lower() in SCHEME_NAMES:

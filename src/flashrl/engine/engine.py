@@ -66,7 +66,7 @@ class Engine:
 
         Nothing else: `unexpected` exists only for the `ConfigError` that says which config each
         keyword goes in (``max_batch=8``: `EngineConfig`; ``kv_cache_dtype=``: `RolloutConfig`)."""
-        engine = engine_config_of(engine_config, unexpected)
+        engine = engine_config_of(rollout_config, engine_config, unexpected)
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
         config = (

@@ -69,12 +69,20 @@ class EngineConfig:
         check_fields(self)
 
 
-def engine_config_of(engine_config: Any, unexpected: dict[str, Any]) -> EngineConfig:
+def engine_config_of(
+    rollout_config: Any, engine_config: Any, unexpected: dict[str, Any]
+) -> EngineConfig:
     """`engine_config` (None: the defaults) of an `Engine` given no other keyword: a field of
     either config as a keyword (``max_batch=8``, ``quant="int8"``) is a `ConfigError` naming the
-    config it goes in, any other name one listing the fields of both."""
+    config it goes in, any other name one listing the fields of both; an `EngineConfig` in the
+    rollout config's place one saying where it goes."""
     if unexpected:
         raise ConfigError(_misplaced_message(unexpected))
+    if isinstance(rollout_config, EngineConfig):
+        raise ConfigError(
+            "rollout_config must be a scheme name, a YAML path or a RolloutConfig, got a "
+            "EngineConfig (an engine's EngineConfig goes in engine_config, after the rollout config)"
+        )
     if engine_config is None:
         return EngineConfig()
     if not isinstance(engine_config, EngineConfig):

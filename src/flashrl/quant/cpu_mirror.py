@@ -78,12 +78,18 @@ def physical_memory_bytes() -> int:
         return 0
 
 
+def default_budget_bytes(engines: int = 1) -> int:
+    """One engine's share of `DEFAULT_BUDGET_FRACTION` of physical memory when `engines` engines
+    share the machine (the Ray rollout workers of a run)."""
+    return int(DEFAULT_BUDGET_FRACTION * physical_memory_bytes()) // engines
+
+
 def enable_mirrors(model: nn.Module, budget_bytes: int | None = None) -> int:
     """Enable the fp32 mirror of every CPU layer of `model` that has one (``fp32_mirror``), in module
     order, while their total fits `budget_bytes` (default: `DEFAULT_BUDGET_FRACTION` of physical
     memory). Returns the bytes the mirrors will take."""
     if budget_bytes is None:
-        budget_bytes = int(DEFAULT_BUDGET_FRACTION * physical_memory_bytes())
+        budget_bytes = default_budget_bytes()
     total = 0
     for module in model.modules():
         mirror = getattr(module, "fp32_mirror", None)

@@ -59,14 +59,12 @@ def _builtin(request: BackendRequest) -> RolloutBackend:
 
 
 def worker_mirror_memory(workers: int) -> int | None:
-    """The CPU weight-copy budget of one rollout engine: the engine's default (a quarter of physical
-    memory) in the trainer's process, that quarter shared out among `workers` Ray workers, which
-    may all run on one machine."""
-    if workers == 0:
-        return None
-    from flashrl.quant.cpu_mirror import DEFAULT_BUDGET_FRACTION, physical_memory_bytes
+    """The CPU weight-copy budget of one rollout engine: the engine's default in the trainer's
+    process, that default shared out among `workers` Ray workers, which may all run on one
+    machine."""
+    from flashrl.quant.cpu_mirror import default_budget_bytes
 
-    return int(DEFAULT_BUDGET_FRACTION * physical_memory_bytes()) // workers
+    return default_budget_bytes(workers) if workers else None
 
 
 def _vllm(request: BackendRequest) -> RolloutBackend:
