@@ -5,7 +5,9 @@
 # the next, and everything lands in $OUT as plain files (log.txt, JSON, junit XML; at most 8).
 #
 #   OUT=/tmp/gpu BUDGET_S=480 bash scripts/gpu_checks.sh [sections]
-#   sections (in priority order): env,tests,diag,requant,bench,train,compile,profile
+#   sections (in priority order): env,tests,diag,requant,bench,train,compile,profile,group,groupprof,tiles
+#   (group, groupprof: int8_g64's Triton GEMM in decode, eager and CUDA graphs, against int8 and bf16;
+#   tiles: its launch-shape variants per 7B layer, benchmarks/bench_group_gemm.py)
 #   TESTS: test files for the tests section (default: tests); COMPILE_QUANT, COMPILE_MODES: the
 #   compile section's schemes and modes (default: bf16,fp8 and none,reduce-overhead); BENCH_QUANT: the
 #   bench section's schemes (default: bf16,int8,fp8,fp8_channel)
@@ -14,7 +16,7 @@
 # numpy and pytest; flashrl runs from src/ (math-verify and gguf are imported lazily, unused here).
 set -u
 OUT=${OUT:-/tmp/flashrl-gpu}
-SECTIONS=${1:-env,tests,diag,requant,bench,train,compile,profile}
+SECTIONS=${1:-env,tests,diag,requant,bench,train,compile,profile,group,groupprof,tiles}
 BUDGET_S=${BUDGET_S:-540}  # the tests section alone needs about 250 s on an H100
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -62,6 +64,11 @@ section compile ${COMPILE_LIMIT_S:-150} flashrl bench $B7 --quant ${COMPILE_QUAN
 section profile ${PROFILE_LIMIT_S:-200} python3 benchmarks/profile_decode_step.py --random-weights qwen2.5-7b \
   --quant ${PROFILE_QUANT:-bf16,fp8,int8} --batch 64 --prompt-len 256 --output-len 64 --compile reduce-overhead \
   --out "$OUT/profile_7b_b64.json"
+section group ${GROUP_LIMIT_S:-200} flashrl bench $B7 --quant bf16,int8_g64,int8 --output-len ${GROUP_OUTPUT_LEN:-128} \
+  --compile none,reduce-overhead --out "$OUT/bench_7b_b64_group.json"
+section groupprof ${GROUPPROF_LIMIT_S:-90} python3 benchmarks/profile_decode_step.py --random-weights qwen2.5-7b \
+  --quant int8,int8_g64 --batch 64 --prompt-len 256 --output-len 64 --compile none --out "$OUT/profile_7b_b64_group.json"
+section tiles ${TILES_LIMIT_S:-120} python3 benchmarks/bench_group_gemm.py --device cuda --out "$OUT/group_gemm_tiles.json"
 find "$OUT/train" -name 'summary*' -exec cp -f {} "$OUT/" \; 2>/dev/null
 rm -rf "$OUT/train" "$OUT/.bin"
 echo "=== done in ${SECONDS}s; files in $OUT"

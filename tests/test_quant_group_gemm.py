@@ -253,6 +253,66 @@ def test_ptx_multiplies_int8_on_tensor_cores():
             assert mmas and all(".s32.s8.s8" in op for op in mmas), (arch, constexprs, mmas)
 
 
+@pytest.mark.parametrize(
+    "tiles",
+    [(16, 16, 4, None), (32, 16, 2, 2), (16, 64, 8, 3), (64, 32, 4, None)],
+)
+def test_any_tiles_give_the_same_bits(tiles, gen, interpret):
+    """`GroupTiles` changes the launch only: each output element sums its groups in the same order
+    whatever the tile, so every choice equals the default bit for bit (shapes with several programs
+    along M and N, and partial tiles)."""
+    for m, k, n in [(3, 200, 48), (40, 130, 70)]:
+        xq, sx, wq, sw, b = operands(m, k, n, 64, True, gen)
+        want = launch.int8_group_gemm(xq, sx, wq, sw, 64, torch.bfloat16, b)
+        got = launch.int8_group_gemm(
+            xq, sx, wq, sw, 64, torch.bfloat16, b, tiles=launch.GroupTiles(*tiles)
+        )
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (m, k, n)
+
+
+@pytest.mark.parametrize(
+    "bad,field",
+    [
+        ((8, 16), "block_m"),
+        ((16, 48), "block_n"),
+        ((16, 16, 3), "num_warps"),
+        ((16, 16, 4, 0), "num_stages"),
+    ],
+)
+def test_group_tiles_refuse_what_the_kernel_cannot_launch(bad, field):
+    with pytest.raises(InputError, match=f"GroupTiles.{field}"):
+        launch.GroupTiles(*bad)
+
+
+def test_bench_group_gemm_runs_variants_and_checks_bits(tmp_path, monkeypatch):
+    """benchmarks/bench_group_gemm.py on CPU (interpreter): one row per layer and variant, every
+    variant's output equal to the default's, JSON written; a malformed variant is refused by name."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench_dir))
+    spec = importlib.util.spec_from_file_location(
+        "bench_group_gemm", bench_dir / "bench_group_gemm.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)
+    spec.loader.exec_module(bench)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "tiles.json"
+    argv = ["--device", "cpu", "--shapes", "a:48x200,b:20x64", "--m", "3", "--repeat", "1"]
+    rc = bench.main([*argv, "--variants", "default,16x16w4,32x16w2s2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 0 and len(rows) == 6 and all(r["same_bits"] for r in rows)
+    assert [r["programs"] for r in rows[:3]] == [2, 3, 3]
+    with pytest.raises(SystemExit, match="'64x32'"):
+        bench.main([*argv, "--variants", "64x32", "--out", str(out)])
+    with pytest.raises(SystemExit, match="block_n"):
+        bench.main([*argv, "--variants", "16x24w4", "--out", str(out)])
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU (compiled kernel on CUDA)
 # ------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ this module loads on machines without it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -283,10 +284,31 @@ GEMM_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Output dtypes of `int8_group_gemm` (each rounded to nearest even from the fp32 result)."""
 
 
+@dataclass(frozen=True)
+class GroupTiles:
+    """Launch shape of `int8_group_gemm` (stages None: Triton's default). Every choice gives the
+    same bits (each element sums its groups in one order); benchmarks/bench_group_gemm.py times them."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise InputError(f"GroupTiles.{name}={v}: must be a power of two >= 16 (tl.dot)")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise InputError(f"GroupTiles.num_warps={self.num_warps}: allowed 1, 2, 4, 8, 16")
+        if self.num_stages is not None and not 1 <= self.num_stages <= 8:
+            raise InputError(f"GroupTiles.num_stages={self.num_stages}: allowed 1..8 or None")
+
+
 def group_gemm_tiles(m: int, n: int, group: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) of `int8_group_gemm`: BLOCK_K is one group (a power of two,
-    at least 16 for ``tl.dot``); small M (decode) takes narrow N tiles so that more programs share
-    the weight read. Untuned: no GPU has timed these (docs/kernels.md)."""
+    at least 16 for ``tl.dot``); small M (decode) takes narrow N tiles. Untuned: at M = 64 with
+    CUDA graphs the decode step is 1.56x int8's on an H200 (benchmarks/RESULTS.md)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 32 if m <= 16 else 64 if m <= 64 else 128
     block_n = min(block_n, max(16, next_power_of_2(n)))
@@ -330,10 +352,12 @@ def int8_group_gemm(
     group: int,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
+    tiles: GroupTiles | None = None,
 ) -> torch.Tensor:
     """``Y = s_w * sum_g s_x[:, g] (Xq_g @ Wq_g^T) (+ bias)`` in `out_dtype`, one Triton kernel:
     codes [M, K] and [N, K], activation scales [M, ceil(K/group)] (fp32), weight scales [N] / [N, 1]
-    or one. `flashrl.quant.gemm.int8_group` is its reference."""
+    or one. `flashrl.quant.gemm.int8_group` is its reference. `tiles` overrides the launch shape of
+    `group_gemm_tiles` (4 warps, default stages)."""
     _check_group_gemm(xq, x_scale, wq, w_scale, group, out_dtype, bias)
     m, k = xq.shape
     n = wq.shape[0]
@@ -344,7 +368,10 @@ def int8_group_gemm(
     w_scale = w_scale.reshape(-1).to(torch.float32)
     bias = None if bias is None else bias.reshape(-1).contiguous()
     block_m, block_n, block_k = group_gemm_tiles(m, n, group)
-    kernels_for(xq, "group_gemm").int8_group_gemm_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
+    tiles = tiles or GroupTiles(block_m, block_n)
+    stages = {} if tiles.num_stages is None else {"num_stages": tiles.num_stages}
+    grid = (cdiv(m, tiles.block_m), cdiv(n, tiles.block_n))
+    kernels_for(xq, "group_gemm").int8_group_gemm_kernel[grid](
         xq,
         x_scale,
         wq,
@@ -363,10 +390,11 @@ def int8_group_gemm(
         GROUP=group,
         HAS_BIAS=bias is not None,
         OUT_BF16=out_dtype == torch.bfloat16,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
         BLOCK_K=block_k,
-        num_warps=4,
+        num_warps=tiles.num_warps,
+        **stages,
         **LAUNCH_OPTIONS,
     )
     return y
