@@ -82,8 +82,8 @@ def rounding_lag_warning(config: Any) -> str | None:
     """A warning when the run is exposed to the bf16 lag: unquantized 16-bit rollout weights, an
     fp32 trainer and nearest rounding at each weight update. Adam steps below half a bf16 step
     round back to the old value, so the rollout policy stays near the checkpoint while the trainer
-    moves (SmolLM2-135M, lr 1e-5: mismatch KL 0.002 -> 0.06 in 10 steps and no reward gain;
-    docs/real-model.md). None when the run is not exposed."""
+    moves (SmolLM2-135M, 40 steps, 3 seeds: reward 0.15 against fp32 rollouts' 0.67, and 0.69 with
+    stochastic rounding; docs/real-model.md). None when the run is not exposed."""
     r = config.rollout
     exposed = r.quant == "bf16" and r.dtype in ("bf16", "fp16") and r.sync_rounding == "nearest"
     if not exposed or config.run.trainer_dtype != "fp32":
@@ -94,6 +94,7 @@ def rounding_lag_warning(config: Any) -> str | None:
     return (
         f"rollout.quant=bf16 with rollout.dtype={r.dtype} and an fp32 trainer: each weight update "
         f"rounds the trainer's weights to {r.dtype} to nearest, which erases updates below half a "
-        f"{r.dtype} step, so the rollout policy can lag the trainer (docs/real-model.md); "
+        f"{r.dtype} step, so the rollout policy can lag the trainer (SmolLM2-135M, 40 steps: "
+        f"reward 0.15 against 0.69 with stochastic rounding; docs/real-model.md); "
         f"{fix}--rollout.dtype fp32 keeps it following"
     )
