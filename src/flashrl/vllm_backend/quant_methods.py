@@ -18,8 +18,8 @@ storages. The method keeps no state between loads, so a reload gives exactly wha
 the same weights gives.
 
 Kernels: ``torch._int_mm`` (int8) and ``torch._scaled_mm`` (fp8 per-tensor and per-channel) on CPU
-and CUDA; fp8_block and int8_g* run flashrl's reference paths (dequantize per block or group,
-fp32 matmul) everywhere.
+and CUDA; fp8_block runs flashrl's reference path (dequantize per block, fp32 matmul)
+everywhere, int8_g* the Triton group GEMM on CUDA and the reference on CPU (`flashrl.quant.dispatch`).
 The GEMM is wrapped in a torch custom op, so torch.compile and CUDA graphs treat it as one opaque
 call. Embeddings, the LM head, norms and attention are left to vLLM's unquantized methods; MoE
 experts are quantized by `flashrl.vllm_backend.moe_methods` (routers stay in high precision).
