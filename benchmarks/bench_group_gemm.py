@@ -88,14 +88,13 @@ def bench_shape(name, n, k, m, group, variants, device, ms_of) -> list[dict]:
         run = lambda t=tiles: launch.int8_group_gemm(xq, sx, wq, sw, group, torch.bfloat16, tiles=t)  # noqa: E731
         y = run()
         ms = ms_of(run)
-        bm, bn, _ = launch.group_gemm_tiles(m, n, group)
-        bm, bn = (tiles.block_m, tiles.block_n) if tiles else (bm, bn)
+        shape = tiles or launch.group_gemm_tiles(m, n)
         rows.append(
             dict(
                 layer=name,
                 NxK=f"{n}x{k}",
                 variant=text,
-                programs=launch.cdiv(m, bm) * launch.cdiv(n, bn),
+                programs=launch.cdiv(m, shape.block_m) * launch.cdiv(n, shape.block_n),
                 ms=ms,
                 weight_GBps=n * k / ms / 1e6,
                 vs_int8=int8_ms / ms,

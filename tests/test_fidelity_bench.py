@@ -4,28 +4,19 @@ checked against numbers computed by hand. No training."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from argparse import Namespace
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity.py"
+from benchmark_scripts import load_benchmark
+
 STEPS = 20  # final window: the last 2 steps
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("fidelity_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fid = load_script()
+fid = load_benchmark("fidelity")
 
 
 def write_run(root: Path, variant: str, seed: int, rewards: list[float], kl: float) -> None:

@@ -4,18 +4,13 @@ the kernels it launched, so counting either (as the first GPU run did) inflated 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_decode_step.py"
-spec = importlib.util.spec_from_file_location("profile_decode_step", SCRIPT)
-prof = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = prof
-spec.loader.exec_module(prof)
+from benchmark_scripts import load_benchmark
+
+prof = load_benchmark("profile_decode_step")
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 

@@ -287,19 +287,11 @@ def test_group_tiles_refuse_what_the_kernel_cannot_launch(bad, field):
 def test_bench_group_gemm_runs_variants_and_checks_bits(tmp_path, monkeypatch):
     """benchmarks/bench_group_gemm.py on CPU (interpreter): one row per layer and variant, every
     variant's output equal to the default's, JSON written; a malformed variant is refused by name."""
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
-    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
-    monkeypatch.syspath_prepend(str(bench_dir))
-    spec = importlib.util.spec_from_file_location(
-        "bench_group_gemm", bench_dir / "bench_group_gemm.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)
-    spec.loader.exec_module(bench)
+    from benchmark_scripts import load_benchmark
+
+    bench = load_benchmark("bench_group_gemm")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     out = tmp_path / "tiles.json"
     argv = ["--device", "cpu", "--shapes", "a:48x200,b:20x64", "--m", "3", "--repeat", "1"]

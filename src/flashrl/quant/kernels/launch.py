@@ -305,14 +305,13 @@ class GroupTiles:
             raise InputError(f"GroupTiles.num_stages={self.num_stages}: allowed 1..8 or None")
 
 
-def group_gemm_tiles(m: int, n: int, group: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) of `int8_group_gemm`: BLOCK_K is one group (a power of two,
-    at least 16 for ``tl.dot``); small M (decode) takes narrow N tiles. Untuned: at M = 64 with
-    CUDA graphs the decode step is 1.56x int8's on an H200 (benchmarks/RESULTS.md)."""
+def group_gemm_tiles(m: int, n: int) -> GroupTiles:
+    """The default launch shape of `int8_group_gemm`: small M (decode) takes narrow N tiles.
+    Untuned: at M = 64 with CUDA graphs the decode step is 1.56x int8's on an H200
+    (benchmarks/RESULTS.md)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 32 if m <= 16 else 64 if m <= 64 else 128
-    block_n = min(block_n, max(16, next_power_of_2(n)))
-    return block_m, block_n, max(16, next_power_of_2(group))
+    return GroupTiles(block_m, min(block_n, max(16, next_power_of_2(n))))
 
 
 def _check_group_gemm(
@@ -356,8 +355,8 @@ def int8_group_gemm(
 ) -> torch.Tensor:
     """``Y = s_w * sum_g s_x[:, g] (Xq_g @ Wq_g^T) (+ bias)`` in `out_dtype`, one Triton kernel:
     codes [M, K] and [N, K], activation scales [M, ceil(K/group)] (fp32), weight scales [N] / [N, 1]
-    or one. `flashrl.quant.gemm.int8_group` is its reference. `tiles` overrides the launch shape of
-    `group_gemm_tiles` (4 warps, default stages)."""
+    or one. `flashrl.quant.gemm.int8_group` is its reference. `tiles`: the launch shape (default
+    `group_gemm_tiles`); BLOCK_K is one group."""
     _check_group_gemm(xq, x_scale, wq, w_scale, group, out_dtype, bias)
     m, k = xq.shape
     n = wq.shape[0]
@@ -367,8 +366,7 @@ def int8_group_gemm(
     x_scale = x_scale.to(torch.float32)
     w_scale = w_scale.reshape(-1).to(torch.float32)
     bias = None if bias is None else bias.reshape(-1).contiguous()
-    block_m, block_n, block_k = group_gemm_tiles(m, n, group)
-    tiles = tiles or GroupTiles(block_m, block_n)
+    tiles = tiles or group_gemm_tiles(m, n)
     stages = {} if tiles.num_stages is None else {"num_stages": tiles.num_stages}
     grid = (cdiv(m, tiles.block_m), cdiv(n, tiles.block_n))
     kernels_for(xq, "group_gemm").int8_group_gemm_kernel[grid](
@@ -392,7 +390,7 @@ def int8_group_gemm(
         OUT_BF16=out_dtype == torch.bfloat16,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
-        BLOCK_K=block_k,
+        BLOCK_K=max(16, next_power_of_2(group)),  # one group; tl.dot needs >= 16
         num_warps=tiles.num_warps,
         **stages,
         **LAUNCH_OPTIONS,
